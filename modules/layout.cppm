@@ -1,0 +1,189 @@
+// shardckpt.layout: the geometry of a GTP-sharded parameter, as values. Given rows, group size and
+// alignment it says which padded rows each GTP rank holds; given the fused sections of a weight and
+// its TP split it says which piece of which block each rank saves, at which global offset; given the
+// pieces of many ranks it proves that they tile every block exactly once.
+// It never touches memory or files: every function here is arithmetic on small values.
+module;
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+export module shardckpt.layout;
+import shardckpt.core;
+
+export namespace shardckpt {
+
+// Half-open range of rows [begin, end).
+struct RowRange {
+  std::int64_t begin = 0;
+  std::int64_t end = 0;
+
+  constexpr std::int64_t size() const noexcept { return end > begin ? end - begin : 0; }
+  constexpr bool empty() const noexcept { return end <= begin; }
+  constexpr RowRange intersect(RowRange o) const noexcept {
+    return {std::max(begin, o.begin), std::min(end, o.end)};
+  }
+  friend constexpr bool operator==(RowRange, RowRange) = default;
+};
+
+// GTP geometry of one parameter of R rows over a group of G ranks with alignment A (SPEC.md,
+// "Geometry"). Pad rows sit at the tail; ranks whose padded rows are all pad are padding-only.
+class GtpGeometry {
+ public:
+  constexpr GtpGeometry() = default;
+  // \requires rows >= 1, group >= 1, align >= 0; align == 0 requires rows % group == 0.
+  // Throws Errc::layout naming the numbers otherwise.
+  static GtpGeometry make(std::int64_t rows, std::int64_t group, std::int64_t align);
+
+  constexpr std::int64_t rows() const noexcept { return rows_; }
+  constexpr std::int64_t group() const noexcept { return group_; }
+  constexpr std::int64_t align() const noexcept { return align_; }
+  constexpr std::int64_t block() const noexcept { return align_ * group_; }
+  constexpr std::int64_t pad() const noexcept { return pad_; }
+  constexpr std::int64_t shard_rows() const noexcept { return shard_rows_; }
+
+  constexpr RowRange padded_rows(std::int64_t g) const noexcept {
+    return {g * shard_rows_, (g + 1) * shard_rows_};
+  }
+  constexpr std::int64_t real_count(std::int64_t g) const noexcept {
+    return std::clamp<std::int64_t>(rows_ - g * shard_rows_, 0, shard_rows_);
+  }
+  constexpr RowRange real_rows(std::int64_t g) const noexcept {
+    return {g * shard_rows_, g * shard_rows_ + real_count(g)};
+  }
+  constexpr bool padding_only(std::int64_t g) const noexcept { return real_count(g) == 0; }
+  constexpr std::int64_t padding_only_ranks() const noexcept { return pad_ / shard_rows_; }
+
+ private:
+  std::int64_t rows_ = 0, group_ = 1, align_ = 0, pad_ = 0, shard_rows_ = 0;
+};
+
+// A named run of TP-local rows of a fused weight. An empty name marks a plain weight: its one
+// block is saved under the parameter key itself.
+struct Section {
+  std::string name;
+  std::int64_t rows = 0;
+  friend bool operator==(const Section&, const Section&) = default;
+};
+
+// Global model sizes that fused layouts are computed from.
+struct SsmDims {
+  std::int64_t heads = 0;
+  std::int64_t head_dim = 0;
+  std::int64_t groups = 0;
+  std::int64_t state = 0;
+  std::int64_t householder = 1;
+};
+
+// TP-local sections of the fused layouts (SPEC.md, "Fused layouts"). Throw Errc::layout when heads
+// or groups do not divide by tp, or a size is not positive.
+std::vector<Section> gdp_in_proj_sections(const SsmDims& dims, int tp);
+std::vector<Section> gdp_conv1d_sections(const SsmDims& dims, int tp);
+std::vector<Section> mamba_in_proj_sections(const SsmDims& dims, int tp);
+std::vector<Section> mamba_conv1d_sections(const SsmDims& dims, int tp);
+std::vector<Section> plain_sections(std::int64_t rows);
+
+// How tensor parallelism splits the global weight: along dim 0 block by block (column-parallel and
+// fused weights), along dim 1 (row-parallel weights, one section), or not at all (replicas).
+enum class TpAxis : std::uint8_t { rows, cols, replicated };
+std::string_view tp_axis_name(TpAxis axis) noexcept;
+TpAxis parse_tp_axis(std::string_view name);
+
+// One parameter as a TP rank holds it before GTP: key, sections (TP-local rows, in row order) and
+// the TP-local trailing dims, whose elements are contiguous per row.
+struct ParamSpec {
+  std::string key;
+  std::vector<Section> sections;
+  std::vector<std::int64_t> trailing;
+  TpAxis tp_axis = TpAxis::rows;
+  int tp = 1;
+
+  std::int64_t rows() const noexcept;       // R: TP-local rows, all sections together
+  std::int64_t row_elems() const noexcept;  // C: elements of one row
+};
+
+// Throws Errc::layout (or invalid_argument for the key) when the spec cannot be planned.
+void validate(const ParamSpec& spec);
+
+// `<param key>.<name>`, or the parameter key for an unnamed (plain) section.
+std::string block_key(std::string_view param_key, std::string_view name);
+
+// A block: one section as the checkpoint stores it, under its own key with the global shape a plain
+// TP run writes.
+struct Block {
+  std::string key;
+  RowRange local_rows;  // TP-local rows of the weight
+  std::vector<std::int64_t> global_shape;
+};
+std::vector<Block> blocks(const ParamSpec& spec);
+
+// The same parameter described by its blocks' global sizes (what a checkpoint records), planned
+// for another TP degree. Throws Errc::layout when a size does not divide by tp.
+ParamSpec param_at_tp(std::string key, std::span<const Section> global_sections,
+                      std::span<const std::int64_t> global_trailing, TpAxis axis, int tp);
+// Inverse of param_at_tp: the blocks' global row counts and the global trailing dims.
+std::vector<Section> global_sections(const ParamSpec& spec);
+std::vector<std::int64_t> global_trailing(const ParamSpec& spec);
+
+struct ShardCoord {
+  int tp_rank = 0;
+  int gtp_rank = 0;
+};
+
+// What one rank saves of one block: `rows` rows of its padded shard starting at `shard_row`,
+// stored at `global_offset` in the block's dataset. `count` is the hyperslab extent (rows, then the
+// TP-local trailing dims).
+struct Piece {
+  std::string key;
+  std::size_t block = 0;
+  std::vector<std::int64_t> global_shape;
+  std::vector<std::int64_t> global_offset;
+  std::vector<std::int64_t> count;
+  std::int64_t rows = 0;
+  std::int64_t shard_row = 0;
+};
+
+// Everything one (tp_rank, gtp_rank) saves of a parameter, pieces in row order.
+struct RankPlan {
+  ShardCoord coord;
+  GtpGeometry geometry;
+  std::int64_t row_elems = 0;  // C
+  std::int64_t real_rows = 0;  // n_g
+  bool padding_only = false;
+  bool main_replica = true;    // false for TP replicas of a replicated weight
+  std::vector<Piece> pieces;
+};
+
+// \requires validate(spec) passes; 0 <= tp_rank < spec.tp; 0 <= gtp_rank < gtp.
+RankPlan plan_rank(const ParamSpec& spec, std::int64_t gtp, std::int64_t align, ShardCoord coord);
+
+// The rectangle a piece covers in its dataset viewed as (dim 0, flattened trailing elements).
+struct Box {
+  RowRange rows;
+  RowRange cols;
+};
+
+// One rank's claim on part of a dataset, as exchanged before a save: enough to check that all
+// ranks agree and that main replicas tile every dataset exactly once.
+struct Claim {
+  std::string key;
+  DType dtype = DType::f32;
+  std::vector<std::int64_t> global_shape;
+  std::vector<std::int64_t> global_offset;
+  std::vector<std::int64_t> count;
+  int rank = 0;
+  bool main_replica = true;
+};
+
+// Footprint of a claim; throws Errc::invalid_argument when it leaves the dataset or splits a dim
+// past dim 1 (only dims 0 and 1 are ever split by TP and GTP).
+Box footprint(const Claim& claim);
+
+// Checks the claims of all ranks together: per key one dtype and one global shape, and the main
+// replicas' boxes cover every element exactly once. Throws Errc::dtype_mismatch, shape_mismatch or
+// tiling with the key, the ranks and the rows involved.
+void validate_claims(std::span<const Claim> claims);
+
+}  // namespace shardckpt

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Installs every package shardckpt needs (Debian 12) and configures build/ (and build-asan/ with
+# --asan). Idempotent: quiet when everything is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+packages=(meson ninja-build clang-19 lld-19 clang-tools-19 libclang-rt-19-dev
+          libhdf5-dev hdf5-tools librange-v3-dev libgtest-dev libgmock-dev pkg-config
+          nlohmann-json3-dev libcli11-dev openmpi-bin libopenmpi-dev
+          python3-h5py python3-numpy)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}"
+  sudo_cmd=()
+  [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
+  export DEBIAN_FRONTEND=noninteractive
+  "${sudo_cmd[@]}" apt-get update -qq
+  "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+configure() {  # dir, extra meson options...
+  local dir=$1; shift
+  [ -f "$dir/build.ninja" ] && return 0
+  meson setup "$dir" --native-file scripts/clang.ini --buildtype=debugoptimized "$@" >/dev/null
+}
+configure build
+if [ "${1:-}" = "--asan" ]; then
+  configure build-asan -Db_sanitize=address,undefined -Db_lundef=false
+fi

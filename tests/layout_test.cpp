@@ -1,0 +1,343 @@
+// Tests for shardckpt.layout: geometry, fused layouts, plans and tiling validation.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+import shardckpt.core;
+import shardckpt.layout;
+
+using namespace shardckpt;
+
+namespace {
+
+// Every claim of every (tp, gtp) rank of one parameter, as the save exchanges them.
+std::vector<Claim> all_claims(const ParamSpec& spec, std::int64_t gtp, std::int64_t align) {
+  std::vector<Claim> claims;
+  for (int t = 0; t < spec.tp; ++t)
+    for (int g = 0; g < gtp; ++g) {
+      RankPlan plan = plan_rank(spec, gtp, align, {t, g});
+      for (const Piece& p : plan.pieces)
+        claims.push_back({p.key, DType::bf16, p.global_shape, p.global_offset, p.count,
+                          static_cast<int>(t * gtp + g), plan.main_replica});
+    }
+  return claims;
+}
+
+// Global value of element (row, col) of a block: distinct for every key and element.
+double value_of(const std::string& key, std::int64_t row, std::int64_t col) {
+  return static_cast<double>(std::hash<std::string>{}(key) % 1000) * 1e6 + row * 1000 + col;
+}
+
+// Simulates a save: builds each rank's padded shard from the global blocks (the TP-local weight
+// is the TP slice of every block, stacked in section order), then writes every piece into an
+// in-memory "file" at its global offset. Returns key -> row-major values; NaN marks unwritten.
+std::map<std::string, std::vector<double>> simulate_save(const ParamSpec& spec, std::int64_t gtp,
+                                                         std::int64_t align) {
+  const std::int64_t C = spec.row_elems();
+  std::map<std::string, std::vector<double>> file;
+  for (const Block& b : blocks(spec)) {
+    std::int64_t n = 1;
+    for (auto d : b.global_shape) n *= d;
+    file[b.key].assign(static_cast<std::size_t>(n), std::nan(""));
+  }
+  for (int t = 0; t < spec.tp; ++t) {
+    // TP-local weight of rank t.
+    std::vector<double> local(static_cast<std::size_t>(spec.rows() * C));
+    for (const Block& b : blocks(spec))
+      for (std::int64_t r = b.local_rows.begin; r < b.local_rows.end; ++r)
+        for (std::int64_t c = 0; c < C; ++c) {
+          const std::int64_t grow = spec.tp_axis == TpAxis::rows ? t * b.local_rows.size() + r - b.local_rows.begin
+                                                                 : r - b.local_rows.begin;
+          const std::int64_t gcol = spec.tp_axis == TpAxis::cols ? t * C + c : c;
+          local[static_cast<std::size_t>(r * C + c)] = value_of(b.key, grow, gcol);
+        }
+    for (int g = 0; g < gtp; ++g) {
+      RankPlan plan = plan_rank(spec, gtp, align, {t, g});
+      if (!plan.main_replica) continue;
+      const std::int64_t L = plan.geometry.shard_rows();
+      std::vector<double> shard(static_cast<std::size_t>(L * C), 0.0);
+      for (std::int64_t r = 0; r < plan.real_rows; ++r)
+        for (std::int64_t c = 0; c < C; ++c)
+          shard[static_cast<std::size_t>(r * C + c)] = local[static_cast<std::size_t>((g * L + r) * C + c)];
+      for (const Piece& p : plan.pieces) {
+        EXPECT_LE(p.shard_row + p.rows, plan.real_rows) << "piece reaches into pad rows: " << p.key;
+        const std::int64_t gcols = p.global_shape.size() > 1 ? C * (spec.tp_axis == TpAxis::cols ? spec.tp : 1) : 1;
+        // Dim 1 is the outermost trailing dim: offset o in it starts at flat element o * (C / dim 1).
+        const std::int64_t col0 = spec.tp_axis == TpAxis::cols ? p.global_offset[1] * (C / spec.trailing[0]) : 0;
+        auto& dst = file[p.key];
+        for (std::int64_t r = 0; r < p.rows; ++r)
+          for (std::int64_t c = 0; c < C; ++c) {
+            auto& cell = dst[static_cast<std::size_t>((p.global_offset[0] + r) * gcols + col0 + c)];
+            EXPECT_TRUE(std::isnan(cell)) << "element written twice in " << p.key;
+            cell = shard[static_cast<std::size_t>((p.shard_row + r) * C + c)];
+          }
+      }
+    }
+  }
+  return file;
+}
+
+}  // namespace
+
+TEST(GtpGeometry, SeedExampleHasFullPartlyPaddedAndPaddingOnlyRanks) {
+  const GtpGeometry g = GtpGeometry::make(61'760, 64, 32);
+  EXPECT_EQ(g.block(), 2'048);
+  EXPECT_EQ(g.pad(), 1'728);
+  EXPECT_EQ(g.shard_rows(), 992);
+  for (int r = 0; r <= 61; ++r) EXPECT_EQ(g.real_count(r), 992) << r;
+  EXPECT_EQ(g.real_count(62), 256);
+  EXPECT_EQ(g.real_rows(62), (RowRange{61'504, 61'760}));
+  EXPECT_TRUE(g.padding_only(63));
+  EXPECT_FALSE(g.padding_only(62));
+  EXPECT_EQ(g.padding_only_ranks(), 1);
+}
+
+TEST(GtpGeometry, AlignmentZeroMeansNoPadAndNeedsDivisibleRows) {
+  const GtpGeometry g = GtpGeometry::make(64, 4, 0);
+  EXPECT_EQ(g.pad(), 0);
+  EXPECT_EQ(g.shard_rows(), 16);
+  try {
+    (void)GtpGeometry::make(62, 4, 0);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::layout);
+    EXPECT_NE(std::string(e.what()).find("62"), std::string::npos) << e.what();
+  }
+}
+
+TEST(GtpGeometry, RejectsNonsense) {
+  EXPECT_THROW((void)GtpGeometry::make(0, 4, 16), Error);
+  EXPECT_THROW((void)GtpGeometry::make(10, 0, 16), Error);
+  EXPECT_THROW((void)GtpGeometry::make(10, 2, -1), Error);
+}
+
+TEST(FusedLayouts, GdpInProjExampleHas60RowsIn12Blocks) {
+  // dI = 10, gS = 3, nH = 2, H = 3 at TP 1.
+  const auto s = gdp_in_proj_sections({.heads = 2, .head_dim = 5, .groups = 1, .state = 3, .householder = 3}, 1);
+  ASSERT_EQ(s.size(), 12u);
+  const std::vector<std::string> names{"z", "V0", "V1", "V2", "K0", "K1", "K2", "Q", "b0", "b1", "b2", "a"};
+  const std::vector<std::int64_t> rows{10, 10, 10, 10, 3, 3, 3, 3, 2, 2, 2, 2};
+  std::int64_t total = 0;
+  for (std::size_t i = 0; i < s.size(); ++i) {
+    EXPECT_EQ(s[i].name, names[i]);
+    EXPECT_EQ(s[i].rows, rows[i]) << names[i];
+    total += s[i].rows;
+  }
+  EXPECT_EQ(total, 60);
+}
+
+TEST(FusedLayouts, MambaAndConvLayoutsFollowTheSpec) {
+  const SsmDims d{.heads = 8, .head_dim = 4, .groups = 2, .state = 16, .householder = 2};
+  const auto m = mamba_in_proj_sections(d, 2);  // dI 16, gS 16, nH 4
+  ASSERT_EQ(m.size(), 5u);
+  EXPECT_EQ(m[0], (Section{"z", 16}));
+  EXPECT_EQ(m[1], (Section{"x", 16}));
+  EXPECT_EQ(m[2], (Section{"B", 16}));
+  EXPECT_EQ(m[3], (Section{"C", 16}));
+  EXPECT_EQ(m[4], (Section{"dt", 4}));
+  const auto mc = mamba_conv1d_sections(d, 2);
+  ASSERT_EQ(mc.size(), 3u);
+  EXPECT_EQ(mc[0], (Section{"x", 16}));
+  const auto gc = gdp_conv1d_sections(d, 2);  // V0 V1 K0 K1 Q
+  ASSERT_EQ(gc.size(), 5u);
+  EXPECT_EQ(gc[0], (Section{"V0", 16}));
+  EXPECT_EQ(gc[2], (Section{"K0", 16}));
+  EXPECT_EQ(gc[4], (Section{"Q", 16}));
+}
+
+TEST(FusedLayouts, HeadsThatDoNotDivideByTpAreRejected) {
+  try {
+    (void)gdp_in_proj_sections({.heads = 3, .head_dim = 4, .groups = 2, .state = 4, .householder = 1}, 2);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::layout);
+    EXPECT_NE(std::string(e.what()).find("heads (3) does not divide by TP 2"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Plan, BlocksHaveThePlainTpKeysAndGlobalShapes) {
+  ParamSpec spec{"in_proj.weight", mamba_in_proj_sections({.heads = 4, .head_dim = 2, .groups = 2, .state = 3}, 2), {5},
+                 TpAxis::rows, 2};
+  const auto b = blocks(spec);
+  ASSERT_EQ(b.size(), 5u);
+  EXPECT_EQ(b[0].key, "in_proj.weight.z");
+  EXPECT_EQ(b[0].global_shape, (std::vector<std::int64_t>{8, 5}));
+  EXPECT_EQ(b[4].key, "in_proj.weight.dt");
+  EXPECT_EQ(b[4].global_shape, (std::vector<std::int64_t>{4, 5}));
+  ParamSpec plain{"out_proj.weight", plain_sections(6), {3}, TpAxis::cols, 4};
+  const auto pb = blocks(plain);
+  ASSERT_EQ(pb.size(), 1u);
+  EXPECT_EQ(pb[0].key, "out_proj.weight");
+  EXPECT_EQ(pb[0].global_shape, (std::vector<std::int64_t>{6, 12}));
+}
+
+// The spec's reference case: TP 2, GTP 2, A 16, GDP (dI, gS, nH, H) = (10, 3, 2, 3).
+TEST(Plan, ReferenceCaseGtpBoundaryCutsV2AndMatchesPlainTp) {
+  ParamSpec spec{"in_proj.weight", gdp_in_proj_sections({.heads = 4, .head_dim = 5, .groups = 2, .state = 3, .householder = 3}, 2),
+                 {4}, TpAxis::rows, 2};
+  ASSERT_EQ(spec.rows(), 60);
+  const RankPlan r0 = plan_rank(spec, 2, 16, {0, 0});
+  EXPECT_EQ(r0.geometry.shard_rows(), 32);
+  EXPECT_EQ(r0.geometry.pad(), 4);
+  // Rank 0 holds rows [0, 32): z, V0, V1 and the first two rows of V2.
+  ASSERT_EQ(r0.pieces.size(), 4u);
+  EXPECT_EQ(r0.pieces[3].key, "in_proj.weight.V2");
+  EXPECT_EQ(r0.pieces[3].rows, 2);
+  EXPECT_EQ(r0.pieces[3].shard_row, 30);
+  const RankPlan r1 = plan_rank(spec, 2, 16, {1, 1});
+  EXPECT_EQ(r1.pieces.front().key, "in_proj.weight.V2");
+  EXPECT_EQ(r1.pieces.front().rows, 8);
+  EXPECT_EQ(r1.pieces.front().shard_row, 0);
+  EXPECT_EQ(r1.pieces.front().global_offset, (std::vector<std::int64_t>{12, 0}));  // t*s_j + lo - S_j = 10 + 2
+  EXPECT_EQ(r1.real_rows, 28);
+
+  const auto gtp = simulate_save(spec, 2, 16);
+  const auto plain = simulate_save(spec, 1, 0);
+  ASSERT_EQ(gtp.size(), 12u);
+  for (const auto& [key, values] : plain) {
+    ASSERT_TRUE(gtp.contains(key)) << key;
+    const auto& other = gtp.at(key);
+    ASSERT_EQ(other.size(), values.size()) << key;
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      ASSERT_FALSE(std::isnan(values[i])) << key << " element " << i << " never written";
+      ASSERT_EQ(other[i], values[i]) << key << " element " << i;
+    }
+  }
+  EXPECT_NO_THROW(validate_claims(all_claims(spec, 2, 16)));
+}
+
+TEST(Plan, RowParallelWeightPiecesLandAtTheirColumns) {
+  ParamSpec spec{"out_proj.weight", plain_sections(40), {6}, TpAxis::cols, 2};
+  const RankPlan p = plan_rank(spec, 4, 4, {1, 3});  // L = 12 (48 padded rows), rank 3 holds [36, 40)
+  ASSERT_EQ(p.pieces.size(), 1u);
+  EXPECT_EQ(p.pieces[0].global_offset, (std::vector<std::int64_t>{36, 6}));
+  EXPECT_EQ(p.pieces[0].count, (std::vector<std::int64_t>{4, 6}));
+  EXPECT_EQ(p.pieces[0].global_shape, (std::vector<std::int64_t>{40, 12}));
+  EXPECT_NO_THROW(validate_claims(all_claims(spec, 4, 4)));
+  const auto gtp = simulate_save(spec, 4, 4);
+  const auto plain = simulate_save(spec, 1, 0);
+  EXPECT_EQ(gtp, plain);
+}
+
+TEST(Plan, PaddingOnlyRankSavesNothing) {
+  ParamSpec spec{"w", plain_sections(61'760), {2}, TpAxis::rows, 1};
+  const RankPlan p = plan_rank(spec, 64, 32, {0, 63});
+  EXPECT_TRUE(p.padding_only);
+  EXPECT_TRUE(p.pieces.empty());
+  const RankPlan q = plan_rank(spec, 64, 32, {0, 62});
+  ASSERT_EQ(q.pieces.size(), 1u);
+  EXPECT_EQ(q.pieces[0].rows, 256);
+  EXPECT_EQ(q.pieces[0].global_offset[0], 61'504);
+}
+
+TEST(Plan, ReplicatedWeightIsSavedByTpRankZeroOnly) {
+  ParamSpec spec{"norm.weight", plain_sections(10), {}, TpAxis::replicated, 2};
+  EXPECT_TRUE(plan_rank(spec, 2, 4, {0, 1}).main_replica);
+  EXPECT_FALSE(plan_rank(spec, 2, 4, {1, 1}).main_replica);
+  EXPECT_EQ(blocks(spec)[0].global_shape, (std::vector<std::int64_t>{10}));
+  EXPECT_NO_THROW(validate_claims(all_claims(spec, 2, 4)));
+}
+
+TEST(Plan, ParamAtAnotherTpKeepsGlobalBlocks) {
+  const SsmDims d{.heads = 4, .head_dim = 5, .groups = 2, .state = 3, .householder = 3};
+  ParamSpec tp2{"in_proj.weight", gdp_in_proj_sections(d, 2), {4}, TpAxis::rows, 2};
+  const auto global = global_sections(tp2);
+  ParamSpec tp1 = param_at_tp("in_proj.weight", global, global_trailing(tp2), TpAxis::rows, 1);
+  EXPECT_EQ(tp1.sections, gdp_in_proj_sections(d, 1));
+  for (std::size_t j = 0; j < global.size(); ++j) EXPECT_EQ(blocks(tp1)[j].global_shape, blocks(tp2)[j].global_shape);
+  EXPECT_THROW((void)param_at_tp("in_proj.weight", global, global_trailing(tp2), TpAxis::rows, 3), Error);
+}
+
+TEST(Validation, OverlapNamesKeyRanksAndRows) {
+  std::vector<Claim> c{{"k", DType::f32, {10, 2}, {0, 0}, {6, 2}, 0, true},
+                       {"k", DType::f32, {10, 2}, {4, 0}, {6, 2}, 1, true}};
+  try {
+    validate_claims(c);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::tiling);
+    EXPECT_NE(std::string(e.what()).find("key k: rows [4, 6) are saved by both rank 0 and rank 1"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(Validation, GapNamesKeyAndRows) {
+  std::vector<Claim> c{{"k", DType::f32, {10, 2}, {0, 0}, {4, 2}, 0, true},
+                       {"k", DType::f32, {10, 2}, {6, 0}, {4, 2}, 1, true},
+                       {"k", DType::f32, {10, 2}, {4, 0}, {2, 2}, 2, false}};  // a replica does not count
+  try {
+    validate_claims(c);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::tiling);
+    EXPECT_NE(std::string(e.what()).find("key k: rows [4, 6) are saved by no rank"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Validation, ColumnGapIsFoundInItsBand) {
+  std::vector<Claim> c{{"k", DType::f32, {4, 6}, {0, 0}, {4, 3}, 0, true},
+                       {"k", DType::f32, {4, 6}, {0, 3}, {2, 3}, 1, true}};
+  try {
+    validate_claims(c);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rows [2, 4) (elements [3, 6) of each row) are saved by no rank"),
+              std::string::npos) << e.what();
+  }
+}
+
+TEST(Validation, DtypeAndShapeDisagreementAreTyped) {
+  std::vector<Claim> dt{{"k", DType::f32, {4}, {0}, {2}, 0, true}, {"k", DType::bf16, {4}, {2}, {2}, 3, true}};
+  try {
+    validate_claims(dt);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::dtype_mismatch);
+    EXPECT_NE(std::string(e.what()).find("rank 3 saves bf16"), std::string::npos) << e.what();
+  }
+  std::vector<Claim> sh{{"k", DType::f32, {4}, {0}, {2}, 0, true}, {"k", DType::f32, {6}, {2}, {2}, 1, true}};
+  try {
+    validate_claims(sh);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::shape_mismatch);
+  }
+}
+
+// Many random layouts: every block tiled exactly once, no pad row in any piece, and
+// floor(P / L) padding-only ranks.
+TEST(Property, RandomLayoutsTileEveryBlockExactlyOnce) {
+  std::mt19937_64 rng(20261130);
+  auto pick = [&](std::int64_t lo, std::int64_t hi) { return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng); };
+  for (int iter = 0; iter < 400; ++iter) {
+    ParamSpec spec;
+    spec.key = "p" + std::to_string(iter);
+    spec.tp = static_cast<int>(pick(1, 4));
+    const int kind = static_cast<int>(pick(0, 2));
+    spec.tp_axis = kind == 0 ? TpAxis::rows : kind == 1 ? TpAxis::cols : TpAxis::replicated;
+    const std::int64_t nsec = spec.tp_axis == TpAxis::cols ? 1 : pick(1, 7);
+    for (std::int64_t s = 0; s < nsec; ++s) spec.sections.push_back({nsec == 1 ? "" : "s" + std::to_string(s), pick(1, 40)});
+    spec.trailing = {pick(1, 3)};
+    if (pick(0, 1)) spec.trailing.push_back(pick(1, 2));
+    const std::int64_t gtp = pick(1, 9);
+    std::int64_t align = pick(0, 8);
+    if (align == 0 && spec.rows() % gtp != 0) align = 1;
+    SCOPED_TRACE(::testing::Message() << "R=" << spec.rows() << " tp=" << spec.tp << " gtp=" << gtp << " align=" << align);
+    const GtpGeometry g = GtpGeometry::make(spec.rows(), gtp, align);
+    EXPECT_EQ(g.shard_rows() * gtp, spec.rows() + g.pad());
+    if (align > 0) EXPECT_EQ(g.shard_rows() % align, 0);
+    int padding_only = 0;
+    for (int r = 0; r < gtp; ++r) {
+      const RankPlan p = plan_rank(spec, gtp, align, {0, r});
+      padding_only += p.padding_only;
+      for (const Piece& piece : p.pieces) EXPECT_LE(piece.shard_row + piece.rows, p.real_rows);
+      if (p.padding_only) EXPECT_TRUE(p.pieces.empty());
+    }
+    EXPECT_EQ(padding_only, g.padding_only_ranks());
+    EXPECT_NO_THROW(validate_claims(all_claims(spec, gtp, align)));
+    if (iter % 8 == 0) EXPECT_EQ(simulate_save(spec, gtp, align), simulate_save(spec, 1, 0));
+  }
+}
