@@ -199,6 +199,9 @@ class HostBuffer {
 // Copies a view into a new owner: the only way a full tensor comes into being. Counted; throws
 // Errc::materialization_forbidden while a ForbidMaterialization is alive on this thread.
 HostBuffer materialize(TensorView view);
+// The same for several views stacked row-wise (an all-gather's result): one counted materialization.
+// \requires the views share dtype and row shape.
+HostBuffer materialize(std::span<const TensorView> parts);
 // Materializations so far in this process (all threads).
 std::uint64_t materialization_count() noexcept;
 

@@ -6,6 +6,7 @@ module;
 #include <cstdint>
 #include <cstring>
 #include <new>
+#include <span>
 module shardckpt.views;
 
 namespace shardckpt {
@@ -68,12 +69,27 @@ HostBuffer::~HostBuffer() {
 
 HostBuffer HostBuffer::deep_copy() const { return materialize(view()); }
 
-HostBuffer materialize(TensorView view) {
-  require(forbid_depth == 0, Errc::materialization_forbidden, "materializing a ", dtype_name(view.dtype()),
-          " tensor of ", view.rows(), " rows (", view.bytes(), " bytes) while materialization is forbidden");
+HostBuffer materialize(TensorView view) { return materialize(std::span<const TensorView>(&view, 1)); }
+
+HostBuffer materialize(std::span<const TensorView> parts) {
+  require(!parts.empty(), Errc::invalid_argument, "materializing nothing");
+  std::int64_t rows = 0;
+  std::size_t bytes = 0;
+  for (const TensorView& p : parts) {
+    require(p.dtype() == parts[0].dtype() && p.shape().with_rows(0) == parts[0].shape().with_rows(0),
+            Errc::shape_mismatch, "materializing views of different dtype or row shape");
+    rows += p.rows();
+    bytes += p.bytes();
+  }
+  require(forbid_depth == 0, Errc::materialization_forbidden, "materializing a ", dtype_name(parts[0].dtype()),
+          " tensor of ", rows, " rows (", bytes, " bytes) while materialization is forbidden");
   materializations.fetch_add(1, std::memory_order_relaxed);
-  HostBuffer out = HostBuffer::uninitialized(view.dtype(), view.shape());
-  if (!view.empty()) std::memcpy(out.mut_view().data(), view.data(), view.bytes());
+  HostBuffer out = HostBuffer::uninitialized(parts[0].dtype(), parts[0].shape().with_rows(rows));
+  std::byte* dst = out.mut_view().data();
+  for (const TensorView& p : parts) {
+    if (!p.empty()) std::memcpy(dst, p.data(), p.bytes());
+    dst += p.bytes();
+  }
   return out;
 }
 

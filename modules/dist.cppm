@@ -1,0 +1,82 @@
+// shardckpt.dist: many ranks, one checkpoint. A ProcessGroup offers the few collectives a save and
+// a load need; ThreadGroup runs ranks as threads of one process (tests, the demo, single-process
+// users), and shardckpt.dist.mpi / shardckpt.dist.nccl bring MPI and NCCL. save() gathers every
+// rank's plan and validates them together before a byte is written, lets one rank create the file
+// with every dataset at its global shape, has every rank write its own pieces concurrently, and
+// commits only when every rank succeeded: every rank returns the same outcome.
+module;
+#include <cstddef>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+export module shardckpt.dist;
+import shardckpt.core;
+import shardckpt.views;
+import shardckpt.storage;
+import shardckpt.merge;
+
+export namespace shardckpt {
+
+class ProcessGroup {
+ public:
+  virtual ~ProcessGroup() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual void barrier() = 0;
+  // Every rank's bytes, in rank order, on every rank.
+  virtual std::vector<std::vector<std::byte>> all_gather(std::span<const std::byte> mine) = 0;
+  // The root's bytes on every rank (other ranks' `bytes` are ignored).
+  virtual std::vector<std::byte> broadcast(std::span<const std::byte> bytes, int root) = 0;
+};
+
+// The group of one process alone.
+class SoloGroup final : public ProcessGroup {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  void barrier() override {}
+  std::vector<std::vector<std::byte>> all_gather(std::span<const std::byte> mine) override;
+  std::vector<std::byte> broadcast(std::span<const std::byte> bytes, int root) override;
+};
+
+// Ranks as threads of this process. Each rank uses its own endpoint, member(r). abort() makes
+// every waiting and later collective throw Errc::collective, as an engine does when a peer dies.
+class ThreadGroup {
+ public:
+  explicit ThreadGroup(int size);
+  ThreadGroup(const ThreadGroup&) = delete;
+  ThreadGroup& operator=(const ThreadGroup&) = delete;
+  ~ThreadGroup();
+
+  int size() const noexcept;
+  ProcessGroup& member(int rank) [[clang::lifetimebound]];
+  void abort(const std::string& reason);
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+// Runs fn on `ranks` threads, one per rank of a fresh ThreadGroup. A rank that throws aborts the
+// group so that the others fail instead of waiting forever; the lowest failing rank's error is
+// rethrown once every thread has ended.
+void run_ranks(int ranks, const std::function<void(ProcessGroup&)>& fn);
+
+struct SaveOptions {
+  IoMethod method = IoMethod::direct;
+};
+
+// Saves the state dicts of all ranks of `group` as one checkpoint at `path` (collective: every rank
+// calls it). Materialization is forbidden throughout. On any failure on any rank, every rank
+// throws the same error, nothing is committed and an earlier checkpoint at `path` is untouched.
+void save(const StateDict& state, const std::filesystem::path& path, ProcessGroup& group, SaveOptions options = {});
+void save(const StateDict& state, const std::filesystem::path& path, SaveOptions options = {});
+
+// Every rank loads its own part at its own layout, concurrently; every rank gets the same outcome.
+LoadedState load(const std::filesystem::path& path, const StateDict& request, ProcessGroup& group,
+                 LoadOptions options = {});
+
+}  // namespace shardckpt

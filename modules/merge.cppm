@@ -1,0 +1,148 @@
+// shardckpt.merge: state dicts and the load-side assembly. A state dict holds sharded tensors,
+// GTP-sharded parameters (factories: expanded into views of their shard's rows on save, merged back
+// into a padded shard on load), common values and local non-persistent values. prepare_save turns a
+// state dict into writes without copying a byte; load reads each piece straight into its rows of
+// the destination shard and only then merges every factory against the complete loaded tree
+// (loaded shards, common values, local values), on the global path and the per-rank local path.
+// Nothing here knows about ranks beyond the state dict it is given: coordination lives in dist.
+module;
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <span>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+export module shardckpt.merge;
+import shardckpt.core;
+import shardckpt.layout;
+import shardckpt.views;
+import shardckpt.storage;
+
+export namespace shardckpt {
+
+// A shard of a tensor under its global key. On save `data` is the shard; in a load request only
+// dtype and shape matter and `data` stays empty.
+struct ShardedTensor {
+  std::string key;
+  DType dtype = DType::f32;
+  Extents shape;
+  std::vector<std::int64_t> global_shape;
+  std::vector<std::int64_t> global_offset;
+  int replica_id = 0;  // only replica 0 (the main replica) writes
+  TensorView data;
+
+  static ShardedTensor of(std::string key, TensorView data, std::vector<std::int64_t> global_shape,
+                          std::vector<std::int64_t> global_offset, int replica_id = 0);
+  static ShardedTensor expect(std::string key, DType dtype, Extents shape, std::vector<std::int64_t> global_shape,
+                              std::vector<std::int64_t> global_offset);
+};
+
+// A GTP-sharded parameter as one rank holds it: the factory of SPEC.md. `shard` is the padded
+// shard of shard_shape() rows (pad rows zero); empty in a load request.
+struct ShardedParam {
+  ParamSpec spec;
+  std::int64_t gtp = 1;
+  std::int64_t align = 0;
+  ShardCoord coord;
+  DType dtype = DType::f32;
+  int replica_id = 0;  // data-parallel replica: only replica 0 writes
+  TensorView shard;
+
+  GtpGeometry geometry() const { return GtpGeometry::make(spec.rows(), gtp, align); }
+  Extents shard_shape() const;
+};
+
+class StateDict {
+ public:
+  // Each key may appear once across all kinds; throws Errc::invalid_argument otherwise.
+  void add(ShardedTensor tensor);
+  void add(ShardedParam param);
+  void add_common(std::string key, CommonValue value);
+  // Never saved; a load hands it back as it was given in the request.
+  void add_local(std::string key, CommonValue value);
+
+  const std::vector<ShardedTensor>& tensors() const noexcept { return tensors_; }
+  const std::vector<ShardedParam>& params() const noexcept { return params_; }
+  const std::map<std::string, CommonValue, std::less<>>& common() const noexcept { return common_; }
+  const std::map<std::string, CommonValue, std::less<>>& local() const noexcept { return local_; }
+
+ private:
+  void claim_key(const std::string& key);
+  std::vector<ShardedTensor> tensors_;
+  std::vector<ShardedParam> params_;
+  std::map<std::string, CommonValue, std::less<>> common_;
+  std::map<std::string, CommonValue, std::less<>> local_;
+  std::map<std::string, int, std::less<>> keys_;
+};
+
+// One write of a save: a view and the slab it fills.
+struct SaveItem {
+  std::string key;
+  DType dtype = DType::f32;
+  std::vector<std::int64_t> global_shape;
+  std::vector<std::int64_t> global_offset;
+  std::vector<std::int64_t> count;
+  bool main_replica = true;
+  TensorView data;
+};
+
+// The zero-element stand-in a padding-only rank keeps for a parameter, so that its key, dtype and
+// shape survive preprocessing.
+struct Placeholder {
+  std::string key;
+  DType dtype = DType::f32;
+  Extents shape;  // zero rows, the parameter's trailing dims
+};
+
+// A state dict after save preprocessing: views and metadata, no tensor data of its own.
+struct SavePlan {
+  std::vector<SaveItem> items;
+  std::vector<Placeholder> placeholders;
+  std::vector<ParamRecord> params;
+  std::map<std::string, CommonValue, std::less<>> common;
+};
+
+// Expands factories into pieces (views of the shard's rows) and checks every shard's shape; throws
+// Errc::shape_mismatch or dtype_mismatch naming the key, the rank coordinates and the rows.
+SavePlan prepare_save(const StateDict& state);
+// The claims of one rank, for validate_claims.
+std::vector<Claim> claims_of(const SavePlan& plan, int rank);
+// One dataset per key of a validated claim set, in key order.
+std::vector<DatasetSpec> datasets_of(std::span<const Claim> claims);
+// Writes this rank's main-replica items into a skeleton whose datasets are `datasets`.
+void write_items(const SavePlan& plan, std::span<const DatasetInfo> datasets, PieceWriter& writer);
+
+// A loaded state: tensors this rank owns now, and values.
+class LoadedState {
+ public:
+  using Entry = std::variant<HostBuffer, CommonValue>;
+  explicit LoadedState(std::map<std::string, Entry, std::less<>> entries) : entries_(std::move(entries)) {}
+
+  bool contains(std::string_view key) const { return entries_.contains(key); }
+  std::vector<std::string> keys() const;
+  // Throws Errc::missing_key when absent or not a tensor (value).
+  const HostBuffer& tensor(std::string_view key) const [[clang::lifetimebound]];
+  HostBuffer take_tensor(std::string_view key);
+  const CommonValue& value(std::string_view key) const [[clang::lifetimebound]];
+
+ private:
+  std::map<std::string, Entry, std::less<>> entries_;
+};
+
+struct LoadOptions {
+  IoMethod method = IoMethod::direct;
+};
+
+// Loads this rank's part of a global checkpoint at the request's layout (any TP, GTP, alignment).
+// Throws Errc::missing_key, shape_mismatch, dtype_mismatch or not_a_checkpoint, changing nothing.
+LoadedState load(const std::filesystem::path& path, const StateDict& request, LoadOptions options = {});
+
+// The per-rank path: a rank saves its own preprocessed state (pieces at their local shapes and
+// placeholders) to its own file, and loads it back at the same layout.
+void save_local(const StateDict& state, const std::filesystem::path& path, IoMethod method = IoMethod::direct);
+LoadedState load_local(const std::filesystem::path& path, const StateDict& request, LoadOptions options = {});
+
+}  // namespace shardckpt

@@ -1,0 +1,81 @@
+// shardckpt.model: the demo model of the command-line tool, the benchmark and the end-to-end
+// tests. GDP layers decoder.layers.0..N-1 and Mamba layers N..N+M-1, each with a fused in_proj and
+// conv1d, a row-parallel out_proj (TP on dim 1) and a replicated norm weight; common values and a
+// per-rank non-persistent value. Element i (row-major, flat, in its dataset) of every tensor is
+// (fnv1a32(key) + i) mod 2^24, exact in f32 and rounded to nearest even in bf16, so any rank at any
+// layout can build or check its own shard without seeing anyone else's.
+module;
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <string_view>
+#include <vector>
+export module shardckpt.model;
+import shardckpt;
+
+export namespace shardckpt::model {
+
+struct ModelConfig {
+  int gdp_layers = 2;
+  int mamba_layers = 1;
+  SsmDims dims{.heads = 8, .head_dim = 16, .groups = 4, .state = 16, .householder = 2};
+  std::int64_t cols = 256;  // hidden size: the trailing dim of in_proj, the rows of out_proj
+  std::int64_t conv_kernel = 4;
+  DType dtype = DType::bf16;
+};
+
+// DP x TP x GTP ranks; global rank = (dp * tp + tp_rank) * gtp + gtp_rank.
+struct Layout {
+  int tp = 1;
+  int gtp = 1;
+  std::int64_t align = 0;
+  int dp = 1;
+  int ranks() const noexcept { return dp * tp * gtp; }
+};
+
+struct RankCoord {
+  int dp = 0;
+  int tp = 0;
+  int gtp = 0;
+};
+// Throws Errc::invalid_argument when `rank` is outside the layout.
+RankCoord coord_of(const Layout& layout, int rank);
+
+std::uint32_t fnv1a32(std::string_view bytes) noexcept;
+// The pattern value of element `index` of the dataset `key`, as f32.
+float pattern(std::string_view key, std::uint64_t index) noexcept;
+
+// Every parameter of the model at TP degree `tp`.
+std::vector<ParamSpec> params(const ModelConfig& config, int tp);
+
+// One rank's model: its padded shards (pattern in real rows, zeros in pad rows) and a state dict of
+// views into them. Moving a RankModel keeps the views valid: buffers own heap memory.
+struct RankModel {
+  std::vector<HostBuffer> shards;
+  StateDict state;
+  std::int64_t shard_bytes = 0;
+  std::int64_t pad_rows = 0;  // pad rows this rank holds (never saved)
+};
+RankModel build_rank(const ModelConfig& config, const Layout& layout, int rank);
+
+// The load request of one rank: the same entries, without data.
+StateDict request(const ModelConfig& config, const Layout& layout, int rank);
+
+struct Verification {
+  std::int64_t values = 0;      // elements compared
+  std::int64_t pad_rows = 0;    // pad rows checked to be zero
+  std::int64_t mismatches = 0;
+  std::string first_mismatch;   // key, row and values of the first one
+};
+// Checks every loaded shard of `rank` against the pattern (real rows) and zero (pad rows), and the
+// common and local values.
+Verification verify(const ModelConfig& config, const Layout& layout, int rank, const LoadedState& loaded);
+
+// The old save the library replaces, kept as the benchmark's baseline: every GTP rank all-gathers
+// its whole TP-local weight, splits it into blocks and the first GTP rank writes them. Runs all
+// ranks of `models` (one per rank of `layout`, DP 1) in this process; returns the peak bytes that
+// the gathers kept alive on one rank.
+std::int64_t gather_save(const ModelConfig& config, const Layout& layout, const std::vector<RankModel>& models,
+                         const std::filesystem::path& path);
+
+}  // namespace shardckpt::model

@@ -1,0 +1,9 @@
+// shardckpt: the whole library in one import. Save and load GTP-sharded, fused tensor-parallel
+// weights as HDF5 checkpoints without ever gathering a full tensor (docs/user-guide.md).
+export module shardckpt;
+export import shardckpt.core;
+export import shardckpt.layout;
+export import shardckpt.views;
+export import shardckpt.storage;
+export import shardckpt.merge;
+export import shardckpt.dist;

@@ -1,0 +1,231 @@
+module;
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+module shardckpt.model;
+
+namespace shardckpt::model {
+namespace {
+
+std::string layer_key(int layer, std::string_view name) { return cat("decoder.layers.", layer, ".", name); }
+
+std::int64_t product(std::span<const std::int64_t> dims) {
+  std::int64_t n = 1;
+  for (std::int64_t d : dims) n *= d;
+  return n;
+}
+
+// Calls fn(piece, row r of the piece, flat dataset index of its first element, elements per row)
+// for every row of every piece of a rank's plan, replicas included.
+template <class Fn>
+void for_each_row(const RankPlan& plan, Fn&& fn) {
+  for (const Piece& p : plan.pieces) {
+    const std::int64_t row_elems = product(std::span(p.global_shape).subspan(1));
+    const std::int64_t col0 = p.global_shape.size() > 1 ? p.global_offset[1] * product(std::span(p.global_shape).subspan(2)) : 0;
+    for (std::int64_t r = 0; r < p.rows; ++r)
+      fn(p, r, static_cast<std::uint64_t>((p.global_offset[0] + r) * row_elems + col0), plan.row_elems);
+  }
+}
+
+void fill_row(MutTensorView row, std::string_view key, std::uint64_t first) {
+  const std::int64_t n = row.shape().elements();
+  if (row.dtype() == DType::f32) {
+    auto out = row.as<float>();
+    for (std::int64_t i = 0; i < n; ++i) out[static_cast<std::size_t>(i)] = pattern(key, first + static_cast<std::uint64_t>(i));
+  } else {
+    auto out = row.as<bf16>();
+    for (std::int64_t i = 0; i < n; ++i) out[static_cast<std::size_t>(i)] = to_bf16(pattern(key, first + static_cast<std::uint64_t>(i)));
+  }
+}
+
+float element(TensorView v, std::int64_t i) {
+  return v.dtype() == DType::f32 ? v.as<float>()[static_cast<std::size_t>(i)] : to_f32(v.as<bf16>()[static_cast<std::size_t>(i)]);
+}
+
+float expected(DType dtype, std::string_view key, std::uint64_t index) {
+  const float v = pattern(key, index);
+  return dtype == DType::f32 ? v : to_f32(to_bf16(v));
+}
+
+std::string config_json(const ModelConfig& c) {
+  return nlohmann::json{{"gdp_layers", c.gdp_layers}, {"mamba_layers", c.mamba_layers}, {"heads", c.dims.heads},
+                        {"head_dim", c.dims.head_dim}, {"groups", c.dims.groups}, {"state", c.dims.state},
+                        {"householder", c.dims.householder}, {"cols", c.cols}, {"conv_kernel", c.conv_kernel},
+                        {"dtype", dtype_name(c.dtype)}}
+      .dump();
+}
+
+constexpr std::int64_t iteration = 1000;
+
+ShardedParam param_entry(const ParamSpec& spec, const ModelConfig& config, const Layout& layout, RankCoord c) {
+  return {spec, layout.gtp, layout.align, {c.tp, c.gtp}, config.dtype, c.dp, {}};
+}
+
+}  // namespace
+
+RankCoord coord_of(const Layout& layout, int rank) {
+  require(layout.tp >= 1 && layout.gtp >= 1 && layout.dp >= 1, Errc::invalid_argument, "TP, GTP and DP must be at least 1");
+  require(rank >= 0 && rank < layout.ranks(), Errc::invalid_argument, "rank ", rank, " is outside a layout of ",
+          layout.ranks(), " ranks");
+  return {rank / (layout.tp * layout.gtp), (rank / layout.gtp) % layout.tp, rank % layout.gtp};
+}
+
+std::uint32_t fnv1a32(std::string_view bytes) noexcept {
+  std::uint32_t h = 2166136261u;
+  for (unsigned char c : bytes) {
+    h ^= c;
+    h *= 16777619u;
+  }
+  return h;
+}
+
+float pattern(std::string_view key, std::uint64_t index) noexcept {
+  return static_cast<float>((fnv1a32(key) + index) % (std::uint64_t{1} << 24));
+}
+
+std::vector<ParamSpec> params(const ModelConfig& c, int tp) {
+  require(c.gdp_layers >= 0 && c.mamba_layers >= 0 && c.gdp_layers + c.mamba_layers > 0, Errc::invalid_argument,
+          "the model needs at least one layer");
+  require(c.dtype == DType::bf16 || c.dtype == DType::f32, Errc::invalid_argument, "the demo model is bf16 or f32");
+  require(c.cols > 0 && c.conv_kernel > 0, Errc::invalid_argument, "cols and the conv kernel must be positive");
+  const std::int64_t d_inner = c.dims.heads * c.dims.head_dim;
+  require(d_inner % tp == 0, Errc::layout, "heads x head_dim (", d_inner, ") does not divide by TP ", tp);
+  std::vector<ParamSpec> out;
+  for (int layer = 0; layer < c.gdp_layers + c.mamba_layers; ++layer) {
+    const bool gdp = layer < c.gdp_layers;
+    out.push_back({layer_key(layer, "mixer.in_proj.weight"),
+                   gdp ? gdp_in_proj_sections(c.dims, tp) : mamba_in_proj_sections(c.dims, tp), {c.cols}, TpAxis::rows, tp});
+    out.push_back({layer_key(layer, "mixer.conv1d.weight"),
+                   gdp ? gdp_conv1d_sections(c.dims, tp) : mamba_conv1d_sections(c.dims, tp), {1, c.conv_kernel},
+                   TpAxis::rows, tp});
+    out.push_back({layer_key(layer, "mixer.out_proj.weight"), plain_sections(c.cols), {d_inner / tp}, TpAxis::cols, tp});
+    out.push_back({layer_key(layer, "norm.weight"), plain_sections(c.cols), {}, TpAxis::replicated, tp});
+  }
+  return out;
+}
+
+RankModel build_rank(const ModelConfig& config, const Layout& layout, int rank) {
+  const RankCoord c = coord_of(layout, rank);
+  RankModel m;
+  for (const ParamSpec& spec : params(config, layout.tp)) {
+    ShardedParam entry = param_entry(spec, config, layout, c);
+    const RankPlan plan = plan_rank(spec, layout.gtp, layout.align, {c.tp, c.gtp});
+    HostBuffer shard = HostBuffer::zeros(config.dtype, entry.shard_shape());
+    const MutTensorView rows = shard.mut_view();
+    for_each_row(plan, [&](const Piece& p, std::int64_t r, std::uint64_t first, std::int64_t) {
+      fill_row(rows.rows(p.shard_row + r, p.shard_row + r + 1), p.key, first);
+    });
+    entry.shard = shard.view();
+    m.shard_bytes += static_cast<std::int64_t>(shard.bytes());
+    m.pad_rows += plan.geometry.shard_rows() - plan.real_rows;
+    m.shards.push_back(std::move(shard));
+    m.state.add(std::move(entry));
+  }
+  m.state.add_common("iteration", iteration);
+  m.state.add_common("model_config", config_json(config));
+  m.state.add_local("rank_seed", std::int64_t{rank});
+  return m;
+}
+
+StateDict request(const ModelConfig& config, const Layout& layout, int rank) {
+  const RankCoord c = coord_of(layout, rank);
+  StateDict out;
+  for (const ParamSpec& spec : params(config, layout.tp)) out.add(param_entry(spec, config, layout, c));
+  out.add_local("rank_seed", std::int64_t{rank});
+  return out;
+}
+
+Verification verify(const ModelConfig& config, const Layout& layout, int rank, const LoadedState& loaded) {
+  const RankCoord c = coord_of(layout, rank);
+  Verification v;
+  auto mismatch = [&](std::string text) {
+    if (v.mismatches++ == 0) v.first_mismatch = cat("rank ", rank, ": ", text);
+  };
+  for (const ParamSpec& spec : params(config, layout.tp)) {
+    const RankPlan plan = plan_rank(spec, layout.gtp, layout.align, {c.tp, c.gtp});
+    const HostBuffer& shard = loaded.tensor(spec.key);
+    const Extents want = param_entry(spec, config, layout, c).shard_shape();
+    if (!(shard.shape() == want) || shard.dtype() != config.dtype) {
+      mismatch(cat(spec.key, ": loaded shard has the wrong shape or dtype"));
+      continue;
+    }
+    const TensorView rows = shard.view();
+    for_each_row(plan, [&](const Piece& p, std::int64_t r, std::uint64_t first, std::int64_t n) {
+      const TensorView row = rows.rows(p.shard_row + r, p.shard_row + r + 1);
+      for (std::int64_t i = 0; i < n; ++i, ++v.values) {
+        const float want_value = expected(config.dtype, p.key, first + static_cast<std::uint64_t>(i));
+        if (element(row, i) != want_value)
+          mismatch(cat(p.key, " shard row ", p.shard_row + r, " element ", i, ": ", element(row, i), " != ", want_value));
+      }
+    });
+    const TensorView pad = rows.rows(plan.real_rows, want.rows());
+    for (std::int64_t i = 0; i < pad.shape().elements(); ++i)
+      if (element(pad, i) != 0.0f) {
+        mismatch(cat(spec.key, ": pad row ", plan.real_rows + i / plan.row_elems, " is not zero"));
+        break;
+      }
+    v.pad_rows += pad.rows();
+  }
+  const auto check_value = [&](std::string_view key, const CommonValue& want) {
+    if (!loaded.contains(key) || !(loaded.value(key) == want)) mismatch(cat("value ", key, " did not round-trip"));
+  };
+  check_value("iteration", iteration);
+  check_value("model_config", config_json(config));
+  check_value("rank_seed", std::int64_t{rank});
+  return v;
+}
+
+std::int64_t gather_save(const ModelConfig& config, const Layout& layout, const std::vector<RankModel>& models,
+                         const std::filesystem::path& path) {
+  require(layout.dp == 1 && static_cast<int>(models.size()) == layout.ranks(), Errc::invalid_argument,
+          "gather_save needs one model per rank of a DP-1 layout");
+  const std::vector<ParamSpec> specs = params(config, layout.tp);
+  std::vector<DatasetSpec> datasets;
+  std::vector<ParamRecord> records;
+  for (const ParamSpec& spec : specs) {
+    for (const Block& b : blocks(spec)) datasets.push_back({b.key, config.dtype, b.global_shape, std::nullopt, false});
+    records.push_back(record_of(spec));
+  }
+  const std::filesystem::path partial = partial_path(path);
+  const std::vector<DatasetInfo> infos =
+      create_skeleton(partial, datasets, {CheckpointKind::global, records, {{"iteration", iteration}, {"model_config", config_json(config)}}});
+  PieceWriter writer(partial, IoMethod::direct);
+  std::int64_t peak = 0;
+  std::size_t info = 0;
+  for (std::size_t p = 0; p < specs.size(); ++p) {
+    const ParamSpec& spec = specs[p];
+    const std::vector<Block> bl = blocks(spec);
+    for (int t = 0; t < layout.tp; ++t) {
+      // The all-gather: the real rows of every GTP rank's shard, stacked into the TP-local weight.
+      std::vector<TensorView> parts;
+      for (int g = 0; g < layout.gtp; ++g) {
+        const TensorView shard = models[static_cast<std::size_t>(t * layout.gtp + g)].shards[p].view();
+        const GtpGeometry geo = GtpGeometry::make(spec.rows(), layout.gtp, layout.align);
+        parts.push_back(shard.rows(0, geo.real_count(g)));
+      }
+      const HostBuffer weight = materialize(parts);
+      peak = std::max<std::int64_t>(peak, static_cast<std::int64_t>(weight.bytes()));
+      if (spec.tp_axis == TpAxis::replicated && t > 0) continue;
+      for (std::size_t j = 0; j < bl.size(); ++j) {
+        std::vector<std::int64_t> offset(bl[j].global_shape.size(), 0), count{bl[j].local_rows.size()};
+        count.insert(count.end(), spec.trailing.begin(), spec.trailing.end());
+        if (spec.tp_axis == TpAxis::rows) offset[0] = t * bl[j].local_rows.size();
+        if (spec.tp_axis == TpAxis::cols) offset[1] = t * spec.trailing[0];
+        writer.write(infos[info + j], offset, count, weight.view().rows(bl[j].local_rows.begin, bl[j].local_rows.end));
+      }
+    }
+    info += bl.size();
+  }
+  writer.finish();
+  mark_complete(partial);
+  commit(partial, path);
+  return peak;
+}
+
+}  // namespace shardckpt::model

@@ -1,0 +1,640 @@
+module;
+#include <hdf5.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <utility>
+#include <variant>
+#include <vector>
+module shardckpt.storage;
+
+namespace shardckpt {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+constexpr const char* meta_group = "_shardckpt";
+constexpr const char* common_group = "_shardckpt/common";
+
+// ---- HDF5 errors and handles --------------------------------------------------------------------
+
+// HDF5 prints its error stack to stderr unless told not to; the stack is per thread.
+void quiet_hdf5() {
+  thread_local bool done = false;
+  if (!done) {
+    H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+    done = true;
+  }
+}
+
+// The innermost few entries of HDF5's error stack, with major and minor messages, then cleared.
+std::string hdf5_stack() {
+  std::string out;
+  H5Ewalk2(
+      H5E_DEFAULT, H5E_WALK_DOWNWARD,
+      [](unsigned n, const H5E_error2_t* e, void* data) -> herr_t {
+        auto& s = *static_cast<std::string*>(data);
+        if (n >= 3) return 0;
+        char maj[160] = "", min[160] = "";
+        H5Eget_msg(e->maj_num, nullptr, maj, sizeof maj);
+        H5Eget_msg(e->min_num, nullptr, min, sizeof min);
+        s += cat(n ? "; " : "", e->func_name, ": ", e->desc ? e->desc : "", " [", maj, " / ", min, "]");
+        return 0;
+      },
+      &out);
+  H5Eclear2(H5E_DEFAULT);
+  return out.empty() ? "no detail from HDF5" : out;
+}
+
+// Where an HDF5 call happened, for the error message.
+struct Where {
+  const fs::path& file;
+  std::string_view key;
+  std::string_view op;
+};
+
+[[noreturn]] void fail_hdf5(const Where& w, Errc code = Errc::hdf5) {
+  throw Error(code, cat("HDF5 could not ", w.op, w.key.empty() ? "" : " of key ", w.key, " in ", w.file.string(), ": ",
+                        hdf5_stack()));
+}
+
+template <class T>
+T check(T result, const Where& w) {
+  if (result < 0) fail_hdf5(w);
+  return result;
+}
+
+// Owns one HDF5 identifier and closes it with the function of its kind.
+class Hid {
+ public:
+  using Closer = herr_t (*)(hid_t);
+  Hid() = default;
+  Hid(hid_t id, Closer close) : id_(id), close_(close) {}
+  Hid(Hid&& o) noexcept : id_(std::exchange(o.id_, H5I_INVALID_HID)), close_(o.close_) {}
+  Hid& operator=(Hid&& o) noexcept {
+    Hid(std::move(o)).swap(*this);
+    return *this;
+  }
+  Hid(const Hid&) = delete;
+  Hid& operator=(const Hid&) = delete;
+  ~Hid() {
+    if (id_ >= 0) close_(id_);
+  }
+  hid_t get() const noexcept { return id_; }
+  void swap(Hid& o) noexcept {
+    std::swap(id_, o.id_);
+    std::swap(close_, o.close_);
+  }
+
+ private:
+  hid_t id_ = H5I_INVALID_HID;
+  Closer close_ = nullptr;
+};
+
+Hid owned(hid_t id, Hid::Closer close, const Where& w) { return Hid(check(id, w), close); }
+
+// Owns a POSIX file descriptor.
+class Fd {
+ public:
+  Fd() = default;
+  explicit Fd(int fd) : fd_(fd) {}
+  Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  Fd& operator=(Fd&& o) noexcept {
+    std::swap(fd_, o.fd_);
+    return *this;
+  }
+  ~Fd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  int get() const noexcept { return fd_; }
+
+ private:
+  int fd_ = -1;
+};
+
+[[noreturn]] void fail_os(std::string_view op, const fs::path& file, int err = errno) {
+  throw Error(Errc::io, cat("could not ", op, " ", file.string(), ": ", std::strerror(err)));
+}
+
+Fd open_fd(const fs::path& file, int flags) {
+  const int fd = ::open(file.c_str(), flags | O_CLOEXEC);
+  if (fd < 0) fail_os("open", file);
+  return Fd(fd);
+}
+
+void sync_fd(const Fd& fd, const fs::path& file) {
+  if (::fsync(fd.get()) != 0) fail_os("flush to disk", file);
+}
+
+void sync_path(const fs::path& file, int flags) { sync_fd(open_fd(file, flags), file); }
+
+// ---- types ----------------------------------------------------------------------------------------
+
+// The HDF5 type the library stores `t` as (little-endian; bf16 as a custom 16-bit float).
+Hid h5_type(DType t) {
+  const Where w{fs::path(), "", "build a datatype"};
+  auto copy = [&](hid_t base) { return owned(H5Tcopy(base), H5Tclose, w); };
+  auto half = [&](std::size_t mantissa, std::size_t exponent, std::size_t bias) {
+    Hid h = copy(H5T_IEEE_F32LE);
+    check(H5Tset_fields(h.get(), 15, mantissa, exponent, 0, mantissa), w);
+    check(H5Tset_ebias(h.get(), bias), w);
+    check(H5Tset_size(h.get(), 2), w);
+    return h;
+  };
+  switch (t) {
+    case DType::bf16: return half(7, 8, 127);
+    case DType::f16: return half(10, 5, 15);
+    case DType::f32: return copy(H5T_IEEE_F32LE);
+    case DType::f64: return copy(H5T_IEEE_F64LE);
+    case DType::i8: return copy(H5T_STD_I8LE);
+    case DType::i16: return copy(H5T_STD_I16LE);
+    case DType::i32: return copy(H5T_STD_I32LE);
+    case DType::i64: return copy(H5T_STD_I64LE);
+    case DType::u8: return copy(H5T_STD_U8LE);
+    case DType::u16: return copy(H5T_STD_U16LE);
+    case DType::u32: return copy(H5T_STD_U32LE);
+    case DType::u64: return copy(H5T_STD_U64LE);
+  }
+  throw Error(Errc::invalid_argument, "unknown dtype");
+}
+
+std::optional<DType> dtype_of_h5(hid_t t) {
+  const std::size_t size = H5Tget_size(t);
+  switch (H5Tget_class(t)) {
+    case H5T_FLOAT:
+      if (size == 2) {
+        const std::size_t bias = H5Tget_ebias(t);
+        if (bias == 127) return DType::bf16;
+        if (bias == 15) return DType::f16;
+        return std::nullopt;
+      }
+      if (size == 4) return DType::f32;
+      if (size == 8) return DType::f64;
+      return std::nullopt;
+    case H5T_INTEGER: {
+      const bool is_signed = H5Tget_sign(t) == H5T_SGN_2;
+      switch (size) {
+        case 1: return is_signed ? DType::i8 : DType::u8;
+        case 2: return is_signed ? DType::i16 : DType::u16;
+        case 4: return is_signed ? DType::i32 : DType::u32;
+        case 8: return is_signed ? DType::i64 : DType::u64;
+        default: return std::nullopt;
+      }
+    }
+    default: return std::nullopt;
+  }
+}
+
+std::vector<hsize_t> to_hsize(std::span<const std::int64_t> v) { return {v.begin(), v.end()}; }
+
+Hid file_access() {
+  const Where w{fs::path(), "", "create file access properties"};
+  Hid fapl = owned(H5Pcreate(H5P_FILE_ACCESS), H5Pclose, w);
+  check(H5Pset_fclose_degree(fapl.get(), H5F_CLOSE_STRONG), w);
+  return fapl;
+}
+
+Hid open_file(const fs::path& file, unsigned flags, Errc code) {
+  quiet_hdf5();
+  Hid fapl = file_access();
+  const hid_t id = H5Fopen(file.c_str(), flags, fapl.get());
+  if (id < 0) fail_hdf5({file, "", "open the file"}, code);
+  return Hid(id, H5Fclose);
+}
+
+// ---- attributes -------------------------------------------------------------------------------------
+
+void write_attr(hid_t obj, const char* name, hid_t file_type, hid_t mem_type, const void* data, hsize_t n, bool scalar,
+                const Where& w) {
+  Hid space = owned(scalar ? H5Screate(H5S_SCALAR) : H5Screate_simple(1, &n, nullptr), H5Sclose, w);
+  Hid attr = owned(H5Acreate2(obj, name, file_type, space.get(), H5P_DEFAULT, H5P_DEFAULT), H5Aclose, w);
+  check(H5Awrite(attr.get(), mem_type, data), w);
+}
+
+void write_attr(hid_t obj, const char* name, std::int64_t v, const Where& w) {
+  write_attr(obj, name, H5T_STD_I64LE, H5T_NATIVE_INT64, &v, 1, true, w);
+}
+void write_attr(hid_t obj, const char* name, double v, const Where& w) {
+  write_attr(obj, name, H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, &v, 1, true, w);
+}
+void write_attr(hid_t obj, const char* name, std::span<const std::int64_t> v, const Where& w) {
+  write_attr(obj, name, H5T_STD_I64LE, H5T_NATIVE_INT64, v.data(), v.size(), false, w);
+}
+void write_attr(hid_t obj, const char* name, std::string_view v, const Where& w) {
+  Hid type = owned(H5Tcopy(H5T_C_S1), H5Tclose, w);
+  check(H5Tset_size(type.get(), std::max<std::size_t>(v.size(), 1)), w);
+  check(H5Tset_strpad(type.get(), H5T_STR_NULLPAD), w);
+  std::string padded(v);
+  padded.resize(std::max<std::size_t>(v.size(), 1), '\0');
+  write_attr(obj, name, type.get(), type.get(), padded.data(), 1, true, w);
+}
+
+bool has_attr(hid_t obj, const char* name, const Where& w) { return check(H5Aexists(obj, name), w) > 0; }
+
+// Reads a scalar or 1-D attribute of class integer, float or fixed-length string.
+CommonValue read_attr(hid_t obj, const char* name, const Where& w) {
+  Hid attr = owned(H5Aopen(obj, name, H5P_DEFAULT), H5Aclose, w);
+  Hid type = owned(H5Aget_type(attr.get()), H5Tclose, w);
+  switch (H5Tget_class(type.get())) {
+    case H5T_INTEGER: {
+      std::int64_t v = 0;
+      check(H5Aread(attr.get(), H5T_NATIVE_INT64, &v), w);
+      return v;
+    }
+    case H5T_FLOAT: {
+      double v = 0;
+      check(H5Aread(attr.get(), H5T_NATIVE_DOUBLE, &v), w);
+      return v;
+    }
+    case H5T_STRING: {
+      if (H5Tis_variable_str(type.get()) > 0) break;
+      std::string v(H5Tget_size(type.get()), '\0');
+      check(H5Aread(attr.get(), type.get(), v.data()), w);
+      v.resize(std::strlen(v.c_str()));
+      return v;
+    }
+    default: break;
+  }
+  throw Error(Errc::not_a_checkpoint, cat("attribute ", name, " of ", w.file.string(), " has a type shardckpt does not read"));
+}
+
+std::vector<std::int64_t> read_i64s(hid_t obj, const char* name, const Where& w) {
+  Hid attr = owned(H5Aopen(obj, name, H5P_DEFAULT), H5Aclose, w);
+  Hid space = owned(H5Aget_space(attr.get()), H5Sclose, w);
+  std::vector<std::int64_t> v(static_cast<std::size_t>(check(H5Sget_simple_extent_npoints(space.get()), w)));
+  check(H5Aread(attr.get(), H5T_NATIVE_INT64, v.data()), w);
+  return v;
+}
+
+// ---- metadata --------------------------------------------------------------------------------------
+
+json params_json(const std::vector<ParamRecord>& params) {
+  json out = json::array();
+  for (const ParamRecord& p : params) {
+    json blocks = json::array();
+    for (const Section& s : p.blocks) blocks.push_back({{"name", s.name}, {"rows", s.rows}});
+    out.push_back({{"key", p.key}, {"tp_axis", tp_axis_name(p.tp_axis)}, {"blocks", blocks}, {"trailing", p.trailing}});
+  }
+  return out;
+}
+
+std::vector<ParamRecord> params_from_json(const json& in) {
+  std::vector<ParamRecord> out;
+  for (const json& p : in) {
+    ParamRecord r{p.at("key").get<std::string>(), parse_tp_axis(p.at("tp_axis").get<std::string>()), {},
+                  p.at("trailing").get<std::vector<std::int64_t>>()};
+    for (const json& b : p.at("blocks")) r.blocks.push_back({b.at("name").get<std::string>(), b.at("rows").get<std::int64_t>()});
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+void require_key(std::string_view key) {
+  require(!key.empty() && key.find('/') == std::string_view::npos && key != "." && key[0] != '_',
+          Errc::invalid_argument, "key '", key, "' cannot name a dataset: it must be non-empty, contain no '/' and not start with '_'");
+}
+
+// Slab geometry in bytes for the direct path: `rows` runs of `run` bytes, `stride` apart from `first`.
+struct ByteSlab {
+  std::uint64_t first = 0;
+  std::size_t run = 0;
+  std::size_t stride = 0;
+  std::int64_t rows = 0;
+};
+
+ByteSlab byte_slab(const DatasetInfo& d, const Box& box) {
+  std::int64_t row_elems = 1;
+  for (std::size_t i = 1; i < d.shape.size(); ++i) row_elems *= d.shape[i];
+  const std::size_t es = dtype_size(d.dtype);
+  return {*d.address + static_cast<std::uint64_t>(box.rows.begin * row_elems + box.cols.begin) * es,
+          static_cast<std::size_t>(box.cols.size()) * es, static_cast<std::size_t>(row_elems) * es, box.rows.size()};
+}
+
+// Checks a slab against its dataset and the caller's tensor; returns the slab's footprint.
+Box check_slab(const DatasetInfo& d, std::span<const std::int64_t> offset, std::span<const std::int64_t> count,
+               DType dtype, std::size_t bytes) {
+  require(dtype == d.dtype, Errc::dtype_mismatch, "key ", d.key, ": the dataset holds ", dtype_name(d.dtype),
+          " but the tensor is ", dtype_name(dtype));
+  const Box box = footprint(Claim{d.key, d.dtype, d.shape, {offset.begin(), offset.end()}, {count.begin(), count.end()}, 0, true});
+  const std::size_t n = static_cast<std::size_t>(box.rows.size() * box.cols.size()) * dtype_size(d.dtype);
+  require(n == bytes, Errc::shape_mismatch, "key ", d.key, ": a slab of ", n, " bytes does not match a tensor of ",
+          bytes, " bytes");
+  return box;
+}
+
+// Moves whole byte ranges despite short transfers and signals; `transfer` is pread or pwrite.
+template <class Transfer, class Ptr>
+void transfer_all(Transfer transfer, int fd, Ptr p, std::size_t n, std::uint64_t off, const fs::path& file,
+                  std::string_view what) {
+  while (n > 0) {
+    const ssize_t done = transfer(fd, p, std::min<std::size_t>(n, std::size_t{1} << 30), static_cast<off_t>(off));
+    if (done < 0 && errno == EINTR) continue;
+    if (done < 0) fail_os(what, file);
+    if (done == 0) throw Error(Errc::not_a_checkpoint, cat("could not ", what, " ", file.string(), ": the file ends at byte ", off));
+    p += done;
+    n -= static_cast<std::size_t>(done);
+    off += static_cast<std::uint64_t>(done);
+  }
+}
+
+void select_slab(hid_t space, std::span<const std::int64_t> offset, std::span<const std::int64_t> count, const Where& w) {
+  const auto start = to_hsize(offset), extent = to_hsize(count);
+  check(H5Sselect_hyperslab(space, H5S_SELECT_SET, start.data(), nullptr, extent.data(), nullptr), w);
+}
+
+std::int64_t elements(std::span<const std::int64_t> count) {
+  std::int64_t n = 1;
+  for (std::int64_t c : count) n *= c;
+  return n;
+}
+
+}  // namespace
+
+// ---- public -------------------------------------------------------------------------------------------
+
+ParamRecord record_of(const ParamSpec& spec) {
+  return {spec.key, spec.tp_axis, global_sections(spec), global_trailing(spec)};
+}
+
+ParamSpec spec_at_tp(const ParamRecord& r, int tp) { return param_at_tp(r.key, r.blocks, r.trailing, r.tp_axis, tp); }
+
+fs::path partial_path(const fs::path& path) { return fs::path(path.string() + ".partial"); }
+
+std::vector<DatasetInfo> create_skeleton(const fs::path& path, std::span<const DatasetSpec> datasets,
+                                         const CheckpointContents& contents) {
+  quiet_hdf5();
+  const Where w{path, "", "create the checkpoint"};
+  Hid fapl = file_access();
+  Hid file = owned(H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl.get()), H5Fclose, w);
+  {
+    Hid meta = owned(H5Gcreate2(file.get(), meta_group, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Gclose, w);
+    write_attr(meta.get(), "format", std::string_view("shardckpt"), w);
+    write_attr(meta.get(), "format_version", std::int64_t{format_version}, w);
+    write_attr(meta.get(), "kind", std::string_view(contents.kind == CheckpointKind::global ? "global" : "local"), w);
+    write_attr(meta.get(), "params", std::string_view(params_json(contents.params).dump()), w);
+    Hid common = owned(H5Gcreate2(file.get(), common_group, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Gclose, w);
+    for (const auto& [key, value] : contents.common) {
+      require_key(key);
+      std::visit([&](const auto& v) { write_attr(common.get(), key.c_str(), v, w); }, value);
+    }
+  }
+  // Contiguous, allocated now, never filled: every byte of a dataset has a fixed file address
+  // before any rank writes, and HDF5 spends no time writing fill values that pieces overwrite.
+  Hid dcpl = owned(H5Pcreate(H5P_DATASET_CREATE), H5Pclose, w);
+  check(H5Pset_layout(dcpl.get(), H5D_CONTIGUOUS), w);
+  check(H5Pset_alloc_time(dcpl.get(), H5D_ALLOC_TIME_EARLY), w);
+  check(H5Pset_fill_time(dcpl.get(), H5D_FILL_TIME_NEVER), w);
+  std::vector<DatasetInfo> out;
+  out.reserve(datasets.size());
+  for (const DatasetSpec& d : datasets) {
+    require_key(d.key);
+    const Where dw{path, d.key, "create the dataset"};
+    const auto dims = to_hsize(d.shape);
+    Hid space = owned(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), H5Sclose, dw);
+    Hid type = h5_type(d.dtype);
+    Hid set = owned(H5Dcreate2(file.get(), d.key.c_str(), type.get(), space.get(), H5P_DEFAULT, dcpl.get(), H5P_DEFAULT),
+                    H5Dclose, dw);
+    if (d.placement) {
+      write_attr(set.get(), "global_shape", std::span<const std::int64_t>(d.placement->global_shape), dw);
+      write_attr(set.get(), "global_offset", std::span<const std::int64_t>(d.placement->global_offset), dw);
+    }
+    if (d.placeholder) write_attr(set.get(), "placeholder", std::int64_t{1}, dw);
+    const haddr_t addr = H5Dget_offset(set.get());
+    out.push_back({d.key, d.dtype, d.shape, addr == HADDR_UNDEF ? std::nullopt : std::optional<std::uint64_t>(addr),
+                   d.placement, d.placeholder});
+  }
+  check(H5Fflush(file.get(), H5F_SCOPE_GLOBAL), w);
+  return out;
+}
+
+struct PieceWriter::Impl {
+  fs::path path;
+  IoMethod method;
+  Fd fd;                             // direct path
+  Hid file;                          // hyperslab path
+  std::map<std::string, Hid, std::less<>> sets;
+};
+
+PieceWriter::PieceWriter(const fs::path& path, IoMethod method) : impl_(std::make_unique<Impl>()) {
+  impl_->path = path;
+  impl_->method = method;
+  if (method == IoMethod::direct)
+    impl_->fd = open_fd(path, O_WRONLY);
+  else
+    impl_->file = open_file(path, H5F_ACC_RDWR, Errc::hdf5);
+}
+PieceWriter::PieceWriter(PieceWriter&&) noexcept = default;
+PieceWriter& PieceWriter::operator=(PieceWriter&&) noexcept = default;
+PieceWriter::~PieceWriter() = default;
+
+void PieceWriter::write(const DatasetInfo& d, std::span<const std::int64_t> offset, std::span<const std::int64_t> count,
+                        TensorView src) {
+  const Box box = check_slab(d, offset, count, src.dtype(), src.bytes());
+  if (src.empty()) return;
+  Impl& m = *impl_;
+  if (m.method == IoMethod::direct) {
+    require(d.address.has_value(), Errc::invalid_argument, "key ", d.key, ": the direct path needs a contiguous dataset");
+    const ByteSlab s = byte_slab(d, box);
+    const std::byte* p = src.data();
+    if (s.run == s.stride) {
+      transfer_all(::pwrite, m.fd.get(), p, s.run * static_cast<std::size_t>(s.rows), s.first, m.path, "write");
+    } else {
+      for (std::int64_t r = 0; r < s.rows; ++r, p += s.run)
+        transfer_all(::pwrite, m.fd.get(), p, s.run, s.first + static_cast<std::uint64_t>(r) * s.stride, m.path, "write");
+    }
+    return;
+  }
+  const Where w{m.path, d.key, "write a piece"};
+  auto it = m.sets.find(d.key);
+  if (it == m.sets.end()) it = m.sets.emplace(d.key, owned(H5Dopen2(m.file.get(), d.key.c_str(), H5P_DEFAULT), H5Dclose, w)).first;
+  Hid fspace = owned(H5Dget_space(it->second.get()), H5Sclose, w);
+  select_slab(fspace.get(), offset, count, w);
+  const hsize_t n = static_cast<hsize_t>(elements(count));
+  Hid mspace = owned(H5Screate_simple(1, &n, nullptr), H5Sclose, w);
+  Hid type = h5_type(d.dtype);
+  check(H5Dwrite(it->second.get(), type.get(), mspace.get(), fspace.get(), H5P_DEFAULT, src.data()), w);
+}
+
+void PieceWriter::finish() {
+  Impl& m = *impl_;
+  if (m.method == IoMethod::direct) {
+    sync_fd(m.fd, m.path);
+    m.fd = Fd();
+    return;
+  }
+  m.sets.clear();
+  check(H5Fflush(m.file.get(), H5F_SCOPE_GLOBAL), Where{m.path, "", "flush"});
+  m.file = Hid();
+  sync_path(m.path, O_RDONLY);
+}
+
+void mark_complete(const fs::path& path) {
+  {
+    const Where w{path, "", "mark the checkpoint complete"};
+    Hid file = open_file(path, H5F_ACC_RDWR, Errc::hdf5);
+    Hid meta = owned(H5Gopen2(file.get(), meta_group, H5P_DEFAULT), H5Gclose, w);
+    write_attr(meta.get(), "complete", std::int64_t{1}, w);
+    check(H5Fflush(file.get(), H5F_SCOPE_GLOBAL), w);
+  }
+  sync_path(path, O_RDONLY);
+}
+
+void commit(const fs::path& partial, const fs::path& path) {
+  std::error_code ec;
+  fs::rename(partial, path, ec);
+  if (ec) throw Error(Errc::io, cat("could not rename ", partial.string(), " to ", path.string(), ": ", ec.message()));
+  // The rename is durable only once the directory entry is.
+  const fs::path dir = path.has_parent_path() ? path.parent_path() : fs::path(".");
+  sync_path(dir, O_RDONLY | O_DIRECTORY);
+}
+
+void discard(const fs::path& partial) noexcept {
+  std::error_code ec;
+  fs::remove(partial, ec);
+}
+
+struct CheckpointReader::Impl {
+  fs::path path;
+  Hid file;
+  Fd fd;
+  CheckpointContents contents;
+  std::vector<DatasetInfo> datasets;
+  std::map<std::string, std::size_t, std::less<>> index;
+};
+
+CheckpointReader::CheckpointReader(const fs::path& path) : impl_(std::make_unique<Impl>()) {
+  quiet_hdf5();
+  Impl& m = *impl_;
+  m.path = path;
+  auto refuse = [&](std::string_view why) {
+    throw Error(Errc::not_a_checkpoint, cat(path.string(), " is not a shardckpt checkpoint: ", why));
+  };
+  std::error_code ec;
+  if (!fs::is_regular_file(path, ec)) refuse("no such file");
+  if (H5Fis_hdf5(path.c_str()) <= 0) {
+    H5Eclear2(H5E_DEFAULT);
+    refuse("not an HDF5 file");
+  }
+  m.file = open_file(path, H5F_ACC_RDONLY, Errc::not_a_checkpoint);
+  const Where w{path, "", "read the checkpoint metadata"};
+  if (check(H5Lexists(m.file.get(), meta_group, H5P_DEFAULT), w) <= 0) refuse("it has no /_shardckpt group");
+  Hid meta = owned(H5Gopen2(m.file.get(), meta_group, H5P_DEFAULT), H5Gclose, w);
+  if (!has_attr(meta.get(), "format_version", w)) refuse("it has no format version");
+  const auto version = std::get<std::int64_t>(read_attr(meta.get(), "format_version", w));
+  if (version > format_version) refuse(cat("format version ", version, " is newer than this library's ", format_version));
+  if (!has_attr(meta.get(), "complete", w)) refuse("the save that wrote it did not finish");
+  m.contents.kind = std::get<std::string>(read_attr(meta.get(), "kind", w)) == "local" ? CheckpointKind::local
+                                                                                        : CheckpointKind::global;
+  try {
+    m.contents.params = params_from_json(json::parse(std::get<std::string>(read_attr(meta.get(), "params", w))));
+  } catch (const json::exception& e) {
+    refuse(cat("its parameter records do not parse: ", e.what()));
+  }
+  {
+    Hid common = owned(H5Gopen2(m.file.get(), common_group, H5P_DEFAULT), H5Gclose, w);
+    H5O_info_t info;
+    check(H5Oget_info2(common.get(), &info, H5O_INFO_NUM_ATTRS), w);
+    for (hsize_t i = 0; i < info.num_attrs; ++i) {
+      char name[1024];
+      check(H5Aget_name_by_idx(common.get(), ".", H5_INDEX_NAME, H5_ITER_INC, i, name, sizeof name, H5P_DEFAULT), w);
+      m.contents.common.emplace(name, read_attr(common.get(), name, w));
+    }
+  }
+  // Every dataset at the root, with its dtype, shape and (when the direct path may use it) address.
+  std::vector<std::string> names;
+  check(H5Literate(m.file.get(), H5_INDEX_NAME, H5_ITER_INC, nullptr,
+                   [](hid_t, const char* name, const H5L_info_t*, void* data) -> herr_t {
+                     static_cast<std::vector<std::string>*>(data)->push_back(name);
+                     return 0;
+                   },
+                   &names),
+        w);
+  m.fd = open_fd(path, O_RDONLY);
+  struct stat st {};
+  if (::fstat(m.fd.get(), &st) != 0) fail_os("inspect", path);
+  for (const std::string& name : names) {
+    if (name == meta_group) continue;
+    const Where dw{path, name, "read the dataset header"};
+    Hid set = owned(H5Dopen2(m.file.get(), name.c_str(), H5P_DEFAULT), H5Dclose, dw);
+    Hid type = owned(H5Dget_type(set.get()), H5Tclose, dw);
+    const auto dtype = dtype_of_h5(type.get());
+    if (!dtype) refuse(cat("dataset ", name, " has a type shardckpt does not store"));
+    Hid space = owned(H5Dget_space(set.get()), H5Sclose, dw);
+    const int rank = check(H5Sget_simple_extent_ndims(space.get()), dw);
+    std::vector<hsize_t> dims(static_cast<std::size_t>(rank));
+    check(H5Sget_simple_extent_dims(space.get(), dims.data(), nullptr), dw);
+    DatasetInfo info{name, *dtype, {dims.begin(), dims.end()}, std::nullopt, std::nullopt, false};
+    Hid dcpl = owned(H5Dget_create_plist(set.get()), H5Pclose, dw);
+    Hid ours = h5_type(*dtype);
+    const haddr_t addr = H5Dget_offset(set.get());
+    H5Eclear2(H5E_DEFAULT);
+    if (H5Pget_layout(dcpl.get()) == H5D_CONTIGUOUS && addr != HADDR_UNDEF && H5Tequal(type.get(), ours.get()) > 0) {
+      const std::uint64_t bytes = static_cast<std::uint64_t>(elements(info.shape)) * dtype_size(*dtype);
+      if (addr + bytes > static_cast<std::uint64_t>(st.st_size))
+        refuse(cat("dataset ", name, " ends at byte ", addr + bytes, " but the file has ", st.st_size, " (truncated)"));
+      info.address = addr;
+    }
+    if (has_attr(set.get(), "global_offset", dw))
+      info.placement = PiecePlacement{read_i64s(set.get(), "global_shape", dw), read_i64s(set.get(), "global_offset", dw)};
+    info.placeholder = has_attr(set.get(), "placeholder", dw);
+    m.index.emplace(name, m.datasets.size());
+    m.datasets.push_back(std::move(info));
+  }
+}
+
+CheckpointReader::CheckpointReader(CheckpointReader&&) noexcept = default;
+CheckpointReader& CheckpointReader::operator=(CheckpointReader&&) noexcept = default;
+CheckpointReader::~CheckpointReader() = default;
+
+const fs::path& CheckpointReader::path() const noexcept { return impl_->path; }
+const CheckpointContents& CheckpointReader::contents() const noexcept { return impl_->contents; }
+const std::vector<DatasetInfo>& CheckpointReader::datasets() const noexcept { return impl_->datasets; }
+
+const DatasetInfo& CheckpointReader::dataset(std::string_view key) const {
+  const auto it = impl_->index.find(key);
+  require(it != impl_->index.end(), Errc::missing_key, "key ", key, " is not in ", impl_->path.string());
+  return impl_->datasets[it->second];
+}
+
+void CheckpointReader::read(const DatasetInfo& d, std::span<const std::int64_t> offset, std::span<const std::int64_t> count,
+                            MutTensorView dst, IoMethod method) const {
+  const Box box = check_slab(d, offset, count, dst.dtype(), dst.bytes());
+  if (dst.empty()) return;
+  const Impl& m = *impl_;
+  if (method == IoMethod::direct && d.address) {
+    const ByteSlab s = byte_slab(d, box);
+    std::byte* p = dst.data();
+    if (s.run == s.stride) {
+      transfer_all(::pread, m.fd.get(), p, s.run * static_cast<std::size_t>(s.rows), s.first, m.path, "read");
+    } else {
+      for (std::int64_t r = 0; r < s.rows; ++r, p += s.run)
+        transfer_all(::pread, m.fd.get(), p, s.run, s.first + static_cast<std::uint64_t>(r) * s.stride, m.path, "read");
+    }
+    return;
+  }
+  // Datasets the direct path cannot address (chunked, another byte order) go through HDF5.
+  const Where w{m.path, d.key, "read a piece"};
+  Hid set = owned(H5Dopen2(m.file.get(), d.key.c_str(), H5P_DEFAULT), H5Dclose, w);
+  Hid fspace = owned(H5Dget_space(set.get()), H5Sclose, w);
+  select_slab(fspace.get(), offset, count, w);
+  const hsize_t n = static_cast<hsize_t>(elements(count));
+  Hid mspace = owned(H5Screate_simple(1, &n, nullptr), H5Sclose, w);
+  Hid type = h5_type(d.dtype);
+  check(H5Dread(set.get(), type.get(), mspace.get(), fspace.get(), H5P_DEFAULT, dst.data()), w);
+}
+
+}  // namespace shardckpt
