@@ -1,0 +1,231 @@
+// Tests for shardckpt.dist: many thread ranks saving one checkpoint, replicas, validation across
+// ranks before any byte is written, and a rank that dies mid-save.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstdint>
+#include <filesystem>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "test_support.hpp"
+import shardckpt;
+import shardckpt.model;
+
+using namespace shardckpt;
+using testing_support::file_bytes;
+using testing_support::ScratchDir;
+
+namespace {
+
+model::ModelConfig small_model() {
+  model::ModelConfig c;
+  c.gdp_layers = 1;
+  c.mamba_layers = 1;
+  c.dims = {.heads = 8, .head_dim = 2, .groups = 4, .state = 4, .householder = 2};
+  c.cols = 16;
+  return c;
+}
+
+std::int64_t mismatches_at(const model::ModelConfig& c, const model::Layout& l, const std::filesystem::path& path) {
+  std::atomic<std::int64_t> bad{0};
+  run_ranks(l.ranks(), [&](ProcessGroup& g) {
+    const model::Verification v = model::verify(c, l, g.rank(), load(path, model::request(c, l, g.rank()), g));
+    EXPECT_EQ(v.mismatches, 0) << v.first_mismatch;
+    bad += v.mismatches;
+  });
+  return bad.load();
+}
+
+// Runs `fn` on `ranks` thread ranks and returns every rank's error code (or nullopt).
+template <class Fn>
+std::vector<std::optional<Errc>> outcomes(int ranks, Fn&& fn, std::vector<std::string>* messages = nullptr) {
+  std::vector<std::optional<Errc>> out(static_cast<std::size_t>(ranks));
+  std::mutex m;
+  try {
+    run_ranks(ranks, [&](ProcessGroup& g) {
+      try {
+        fn(g);
+      } catch (const Error& e) {
+        const std::lock_guard lock(m);
+        out[static_cast<std::size_t>(g.rank())] = e.code();
+        if (messages) messages->push_back(e.what());
+        throw;
+      }
+    });
+  } catch (const Error&) {
+  }
+  return out;
+}
+
+// A process group that dies (throws, as a killed process would vanish) at its n-th collective.
+struct DyingGroup final : ProcessGroup {
+  ProcessGroup& inner;
+  int die_at;
+  int calls = 0;
+  DyingGroup(ProcessGroup& g, int n) : inner(g), die_at(n) {}
+  void tick() {
+    if (++calls == die_at) throw std::runtime_error("rank killed");
+  }
+  int rank() const override { return inner.rank(); }
+  int size() const override { return inner.size(); }
+  void barrier() override { tick(), inner.barrier(); }
+  std::vector<std::vector<std::byte>> all_gather(std::span<const std::byte> b) override {
+    tick();
+    return inner.all_gather(b);
+  }
+  std::vector<std::byte> broadcast(std::span<const std::byte> b, int root) override {
+    tick();
+    return inner.broadcast(b, root);
+  }
+};
+
+}  // namespace
+
+TEST(ThreadRanks, EightRanksSaveOneCheckpointAndLoadAtAnotherLayout) {
+  ScratchDir dir;
+  const auto c = small_model();
+  const model::Layout save_layout{2, 4, 8, 1};
+  ASSERT_EQ(save_layout.ranks(), 8);
+  run_ranks(8, [&](ProcessGroup& g) {
+    model::RankModel m = model::build_rank(c, save_layout, g.rank());
+    save(m.state, dir / "c.h5", g);
+  });
+  EXPECT_EQ(mismatches_at(c, {4, 1, 0, 1}, dir / "c.h5"), 0);
+  EXPECT_EQ(mismatches_at(c, {1, 3, 16, 1}, dir / "c.h5"), 0);
+}
+
+TEST(ThreadRanks, HyperslabPathTakesTurnsAndWritesTheSameFile) {
+  ScratchDir dir;
+  const auto c = small_model();
+  const model::Layout l{2, 2, 4, 1};
+  for (IoMethod m : {IoMethod::direct, IoMethod::hyperslab})
+    run_ranks(l.ranks(), [&](ProcessGroup& g) {
+      model::RankModel rank = model::build_rank(c, l, g.rank());
+      save(rank.state, dir / (m == IoMethod::direct ? "d.h5" : "h.h5"), g, {m});
+    });
+  const std::string cmd = "h5diff " + (dir / "d.h5").string() + " " + (dir / "h.h5").string() + " > /dev/null";
+  if (std::system("command -v h5diff > /dev/null") == 0) EXPECT_EQ(std::system(cmd.c_str()), 0);
+  EXPECT_EQ(mismatches_at(c, {1, 2, 8, 1}, dir / "h.h5"), 0);
+}
+
+TEST(ThreadRanks, DataParallelReplicasWriteOnce) {
+  ScratchDir dir;
+  const auto c = small_model();
+  const model::Layout l{2, 2, 8, 2};
+  run_ranks(l.ranks(), [&](ProcessGroup& g) {
+    model::RankModel m = model::build_rank(c, l, g.rank());
+    // Replica 1 holds garbage: were it to write, the file would show it.
+    if (model::coord_of(l, g.rank()).dp == 1)
+      for (HostBuffer& b : m.shards)
+        for (bf16& x : b.mut_view().as<bf16>()) x = to_bf16(-1.0f);
+    save(m.state, dir / "c.h5", g);
+  });
+  EXPECT_EQ(mismatches_at(c, {1, 2, 0, 1}, dir / "c.h5"), 0);
+}
+
+TEST(Validation, OverlapGapAndDtypeMismatchStopTheSaveBeforeAnyByteIsWritten) {
+  ScratchDir dir;
+  const auto path = dir / "c.h5";
+  run_ranks(2, [&](ProcessGroup& g) {
+    HostBuffer b = HostBuffer::zeros(DType::f32, {4, 2});
+    StateDict s;
+    s.add(ShardedTensor::of("t", b.view(), {8, 2}, {g.rank() * 4, 0}));
+    save(s, path, g);
+  });
+  const std::string earlier = file_bytes(path);
+  struct Case {
+    const char* name;
+    Errc code;
+    std::string needle;
+    std::int64_t offset1;
+    DType dtype1;
+  };
+  const std::vector<Case> cases{
+      {"overlap", Errc::tiling, "key t: rows [2, 4) are saved by both rank 0 and rank 1", 2, DType::f32},
+      {"gap", Errc::tiling, "key t: rows [4, 6) are saved by no rank", 6, DType::f32},
+      {"dtype", Errc::dtype_mismatch, "key t: rank 0 saves f32 but rank 1 saves f64", 4, DType::f64},
+  };
+  for (const Case& k : cases) {
+    std::vector<std::string> messages;
+    const auto codes = outcomes(
+        2,
+        [&](ProcessGroup& g) {
+          HostBuffer b = HostBuffer::zeros(g.rank() == 1 ? k.dtype1 : DType::f32, {g.rank() == 1 && k.offset1 == 6 ? 2 : 4, 2});
+          StateDict s;
+          s.add(ShardedTensor::of("t", b.view(), {8, 2}, {g.rank() == 0 ? 0 : k.offset1, 0}));
+          save(s, path, g);
+        },
+        &messages);
+    for (const auto& code : codes) EXPECT_EQ(code, k.code) << k.name;  // every rank, the same outcome
+    ASSERT_EQ(messages.size(), 2u) << k.name;
+    for (const std::string& m : messages) EXPECT_NE(m.find(k.needle), std::string::npos) << k.name << ": " << m;
+    EXPECT_EQ(file_bytes(path), earlier) << k.name;
+    EXPECT_FALSE(std::filesystem::exists(partial_path(path))) << k.name;
+  }
+}
+
+TEST(Failure, ARankThatDiesMidSaveLeavesTheEarlierCheckpointIntact) {
+  ScratchDir dir;
+  const auto c = small_model();
+  const model::Layout l{2, 2, 8, 1};
+  const auto path = dir / "c.h5";
+  run_ranks(l.ranks(), [&](ProcessGroup& g) {
+    model::RankModel m = model::build_rank(c, l, g.rank());
+    save(m.state, path, g);
+  });
+  const std::string earlier = file_bytes(path);
+  // Collective 3 is the exchange after rank 0 created the file: rank 2 dies before writing.
+  for (int die_at : {1, 3, 4}) {
+    const auto codes = outcomes(l.ranks(), [&](ProcessGroup& g) {
+      model::RankModel m = model::build_rank(c, l, g.rank());
+      for (HostBuffer& b : m.shards)
+        for (bf16& x : b.mut_view().as<bf16>()) x = to_bf16(7.0f);  // a different model
+      DyingGroup dying(g, g.rank() == 2 ? die_at : -1);
+      save(m.state, path, dying);
+    });
+    for (int r = 0; r < l.ranks(); ++r) EXPECT_TRUE(codes[static_cast<std::size_t>(r)] || r == 2) << "rank " << r << " die_at " << die_at;
+    EXPECT_EQ(file_bytes(path), earlier) << die_at;
+    EXPECT_FALSE(std::filesystem::exists(partial_path(path))) << die_at;
+  }
+  EXPECT_EQ(mismatches_at(c, {1, 4, 8, 1}, path), 0);
+}
+
+TEST(Failure, ARankThatFailsToWriteFailsEveryRank) {
+  ScratchDir dir;
+  const auto path = dir / "c.h5";
+  std::vector<std::string> messages;
+  const auto codes = outcomes(
+      3,
+      [&](ProcessGroup& g) {
+        HostBuffer b = HostBuffer::zeros(DType::f32, {2, 2});
+        StateDict s;
+        s.add(ShardedTensor::of("t", b.view(), {6, 2}, {g.rank() * 2, 0}));
+        // Rank 1 is handed a key HDF5 cannot create a dataset for.
+        if (g.rank() == 1) s.add(ShardedTensor::of("bad/key", b.view(), {2, 2}, {0, 0}));
+        save(s, path, g);
+      },
+      &messages);
+  for (const auto& code : codes) EXPECT_EQ(code, Errc::invalid_argument);
+  EXPECT_FALSE(std::filesystem::exists(path));
+  EXPECT_FALSE(std::filesystem::exists(partial_path(path)));
+}
+
+TEST(Groups, ThreadGroupCollectivesDeliverEveryRanksBytes) {
+  run_ranks(5, [](ProcessGroup& g) {
+    const std::byte mine[2] = {std::byte(g.rank()), std::byte(g.rank() * 2)};
+    for (int round = 0; round < 50; ++round) {
+      const auto all = g.all_gather(mine);
+      ASSERT_EQ(all.size(), 5u);
+      for (int r = 0; r < 5; ++r) ASSERT_EQ(all[static_cast<std::size_t>(r)][1], std::byte(r * 2));
+      const auto b = g.broadcast(mine, round % 5);
+      ASSERT_EQ(b[0], std::byte(round % 5));
+      g.barrier();
+    }
+  });
+}
