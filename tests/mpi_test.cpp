@@ -1,0 +1,117 @@
+// Real multi-process tests, run as `mpirun -np 4`: 4 MPI processes save one checkpoint and load it
+// at another layout, replicas write once, and a validation failure stops every process before any
+// byte is written.
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "test_support.hpp"
+import shardckpt;
+import shardckpt.dist.mpi;
+import shardckpt.model;
+
+using namespace shardckpt;
+
+namespace {
+
+// One scratch directory for the whole job: rank 0 makes it and tells the others.
+std::filesystem::path shared_dir() {
+  static std::filesystem::path dir = [] {
+    int rank = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    std::string name(4096, '\0');
+    if (rank == 0) {
+      std::string pattern = (std::filesystem::temp_directory_path() / "shardckpt-mpi-XXXXXX").string();
+      name = ::mkdtemp(pattern.data());
+      name.resize(4096, '\0');
+    }
+    MPI_Bcast(name.data(), 4096, MPI_CHAR, 0, MPI_COMM_WORLD);
+    return std::filesystem::path(name.c_str());
+  }();
+  return dir;
+}
+
+model::ModelConfig small_model() {
+  model::ModelConfig c;
+  c.gdp_layers = 1;
+  c.mamba_layers = 1;
+  c.dims = {.heads = 4, .head_dim = 4, .groups = 4, .state = 4, .householder = 2};
+  c.cols = 32;
+  return c;
+}
+
+std::int64_t global_mismatches(const model::ModelConfig& c, const model::Layout& l, const std::filesystem::path& file) {
+  MpiGroup group(MPI_COMM_WORLD);
+  const model::Verification v = model::verify(c, l, group.rank(), load(file, model::request(c, l, group.rank()), group));
+  EXPECT_EQ(v.mismatches, 0) << v.first_mismatch;
+  std::int64_t total = 0;
+  MPI_Allreduce(&v.mismatches, &total, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+  return total;
+}
+
+}  // namespace
+
+TEST(Mpi, FourProcessesSaveOneCheckpointAndLoadAtAnotherLayout) {
+  MpiGroup group(MPI_COMM_WORLD);
+  ASSERT_EQ(group.size(), 4) << "run with mpirun -np 4";
+  const auto c = small_model();
+  const auto file = shared_dir() / "c.h5";
+  model::RankModel m = model::build_rank(c, {2, 2, 8, 1}, group.rank());
+  save(m.state, file, group);
+  EXPECT_EQ(global_mismatches(c, {1, 4, 2, 1}, file), 0);
+  EXPECT_EQ(global_mismatches(c, {4, 1, 0, 1}, file), 0);
+}
+
+TEST(Mpi, ReplicasWriteOnce) {
+  MpiGroup group(MPI_COMM_WORLD);
+  const auto c = small_model();
+  const model::Layout l{1, 2, 8, 2};
+  const auto file = shared_dir() / "dp.h5";
+  model::RankModel m = model::build_rank(c, l, group.rank());
+  if (model::coord_of(l, group.rank()).dp == 1)
+    for (HostBuffer& b : m.shards)
+      for (bf16& x : b.mut_view().as<bf16>()) x = to_bf16(-1.0f);
+  save(m.state, file, group);
+  EXPECT_EQ(global_mismatches(c, {2, 2, 4, 1}, file), 0);
+}
+
+TEST(Mpi, ValidationFailureStopsEveryProcessBeforeAnyByteIsWritten) {
+  MpiGroup group(MPI_COMM_WORLD);
+  const auto file = shared_dir() / "bad.h5";
+  HostBuffer b = HostBuffer::zeros(DType::f32, {4, 2});
+  StateDict s;
+  // Ranks 0 and 1 both claim rows [0, 4): an overlap; rows [12, 16) are nobody's.
+  s.add(ShardedTensor::of("t", b.view(), {16, 2}, {std::max(0, group.rank() - 1) * 4, 0}));
+  try {
+    save(s, file, group);
+    ADD_FAILURE() << "the save went through";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::tiling);
+    EXPECT_NE(std::string(e.what()).find("saved by both rank 0 and rank 1"), std::string::npos) << e.what();
+  }
+  group.barrier();
+  EXPECT_FALSE(std::filesystem::exists(file));
+  EXPECT_FALSE(std::filesystem::exists(partial_path(file)));
+}
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  ::testing::InitGoogleTest(&argc, argv);
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  if (rank != 0) {  // one report for the job
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+  }
+  const int rc = RUN_ALL_TESTS();
+  int worst = 0;
+  MPI_Allreduce(&rc, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (rank == 0) std::filesystem::remove_all(shared_dir());
+  MPI_Finalize();
+  return worst;
+}
