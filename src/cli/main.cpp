@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
+#include <span>
 #include <sstream>
 #include <string>
 #include <variant>
@@ -151,6 +152,15 @@ bool is_root(bool mpi) {
   return true;
 }
 
+// With --mpi each process counted only its own rank: the report shows the whole job's totals.
+void sum_over_job(bool mpi, std::span<std::int64_t> values) {
+#ifdef SHARDCKPT_HAVE_MPI
+  if (mpi) MPI_Allreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+#endif
+  (void)mpi;
+  (void)values;
+}
+
 // ---- load + verify, shared by demo and load -----------------------------------------------------------
 
 struct LoadResult {
@@ -175,15 +185,11 @@ LoadResult load_and_verify(const fs::path& file, const model::ModelConfig& confi
     if (v.mismatches && !out.mismatches) out.first_mismatch = v.first_mismatch;
     out.mismatches += v.mismatches;
   });
-#ifdef SHARDCKPT_HAVE_MPI
-  if (mpi) {  // totals over all processes
-    std::int64_t local[3] = {out.values, out.pad_rows, out.mismatches}, total[3];
-    MPI_Allreduce(local, total, 3, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
-    out.values = total[0];
-    out.pad_rows = total[1];
-    out.mismatches = total[2];
-  }
-#endif
+  std::int64_t totals[3] = {out.values, out.pad_rows, out.mismatches};
+  sum_over_job(mpi, totals);
+  out.values = totals[0];
+  out.pad_rows = totals[1];
+  out.mismatches = totals[2];
   return out;
 }
 
@@ -269,6 +275,10 @@ int cmd_demo(const fs::path& out, model::ModelConfig config, model::Layout save_
     save(rank.state, out, group, {method});
     if (group.rank() == 0) save_seconds = seconds_since(s0);
   });
+  std::int64_t totals[2] = {shard_bytes, pad_rows};
+  sum_over_job(mpi, totals);
+  shard_bytes = totals[0];
+  pad_rows = totals[1];
   const LoadResult loaded = load_and_verify(out, config, load_layout, mpi, method);
   if (!root) return loaded.mismatches ? 1 : 0;
   const CheckpointReader reader(out);
