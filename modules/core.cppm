@@ -25,6 +25,7 @@ enum class Errc : std::uint8_t {
   hdf5,                       // the HDF5 library reported an error
   materialization_forbidden,  // a full copy was asked for inside ForbidMaterialization
   collective,                 // another rank failed, or the process group broke
+  internal,                   // anything else (out of memory, say), carried across ranks as text
 };
 
 std::string_view errc_name(Errc code) noexcept;

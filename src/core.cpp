@@ -17,6 +17,7 @@ std::string_view errc_name(Errc code) noexcept {
     case Errc::hdf5: return "hdf5";
     case Errc::materialization_forbidden: return "materialization_forbidden";
     case Errc::collective: return "collective";
+    case Errc::internal: return "internal";
   }
   return "unknown";
 }

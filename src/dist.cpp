@@ -48,7 +48,7 @@ std::vector<json> agree(ProcessGroup& group, std::string_view phase, const std::
   } catch (const Error& e) {
     mine = {{"ok", false}, {"code", static_cast<int>(e.code())}, {"message", e.what()}};
   } catch (const std::exception& e) {
-    mine = {{"ok", false}, {"code", static_cast<int>(Errc::io)}, {"message", e.what()}};
+    mine = {{"ok", false}, {"code", static_cast<int>(Errc::internal)}, {"message", e.what()}};
   }
   const auto gathered = group.all_gather(to_bytes(mine));
   std::vector<json> payloads;
@@ -221,6 +221,8 @@ void run_ranks(int ranks, const std::function<void(ProcessGroup&)>& fn) {
 void save(const StateDict& state, const fs::path& path, ProcessGroup& group, SaveOptions options) {
   const ForbidMaterialization no_copies;
   const int me = group.rank();
+  const fs::path partial = partial_path(path);
+  try {
   SavePlan plan;
   // 1. Every rank's plan, to every rank.
   const std::vector<json> shared = agree(group, "planning the save", [&] {
@@ -251,8 +253,6 @@ void save(const StateDict& state, const fs::path& path, ProcessGroup& group, Sav
     return json();
   });
   // 3. Rank 0 creates the file with every dataset at its global shape; all learn the addresses.
-  const fs::path partial = partial_path(path);
-  try {
     const std::vector<json> created = agree(group, "creating the checkpoint", [&] {
       json out = json::array();
       if (me == 0)
@@ -284,6 +284,7 @@ void save(const StateDict& state, const fs::path& path, ProcessGroup& group, Sav
       return json();
     });
   } catch (Error& e) {
+    // Nothing was committed; whatever rank 0 had created goes.
     if (me == 0) discard(partial);
     throw std::move(e.add_context(cat("saving ", path.string())));
   }

@@ -69,6 +69,7 @@ NcclGroup::~NcclGroup() {
 }
 
 void NcclGroup::barrier() {
+  check_cuda(cudaSetDevice(impl_->device), "cudaSetDevice");
   DeviceBytes one(sizeof(std::int32_t));
   check_cuda(cudaMemsetAsync(one.ptr, 0, sizeof(std::int32_t), impl_->stream), "cudaMemsetAsync");
   check_nccl(ncclAllReduce(one.ptr, one.ptr, 1, ncclInt32, ncclSum, impl_->comm, impl_->stream), "ncclAllReduce");

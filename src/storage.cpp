@@ -205,7 +205,17 @@ Hid file_access() {
   const Where w{fs::path(), "", "create file access properties"};
   Hid fapl = owned(H5Pcreate(H5P_FILE_ACCESS), H5Pclose, w);
   check(H5Pset_fclose_degree(fapl.get(), H5F_CLOSE_STRONG), w);
+  // The 1.8 object format at least: it stores attributes densely, without the 64 KiB cap that
+  // would limit the parameter records of a large model.
+  check(H5Pset_libver_bounds(fapl.get(), H5F_LIBVER_V18, H5F_LIBVER_LATEST), w);
   return fapl;
+}
+
+// A group whose attributes are always stored densely (any size).
+Hid create_group(hid_t file, const char* name, const Where& w) {
+  Hid gcpl = owned(H5Pcreate(H5P_GROUP_CREATE), H5Pclose, w);
+  check(H5Pset_attr_phase_change(gcpl.get(), 0, 0), w);
+  return owned(H5Gcreate2(file, name, H5P_DEFAULT, gcpl.get(), H5P_DEFAULT), H5Gclose, w);
 }
 
 Hid open_file(const fs::path& file, unsigned flags, Errc code) {
@@ -261,7 +271,16 @@ CommonValue read_attr(hid_t obj, const char* name, const Where& w) {
       return v;
     }
     case H5T_STRING: {
-      if (H5Tis_variable_str(type.get()) > 0) break;
+      if (H5Tis_variable_str(type.get()) > 0) {  // as h5py writes strings
+        Hid mem = owned(H5Tcopy(H5T_C_S1), H5Tclose, w);
+        check(H5Tset_size(mem.get(), H5T_VARIABLE), w);
+        check(H5Tset_cset(mem.get(), H5Tget_cset(type.get())), w);  // h5py writes UTF-8
+        char* text = nullptr;
+        check(H5Aread(attr.get(), mem.get(), &text), w);
+        std::string v = text ? text : "";
+        H5free_memory(text);
+        return v;
+      }
       std::string v(H5Tget_size(type.get()), '\0');
       check(H5Aread(attr.get(), type.get(), v.data()), w);
       v.resize(std::strlen(v.c_str()));
@@ -351,6 +370,15 @@ void transfer_all(Transfer transfer, int fd, Ptr p, std::size_t n, std::uint64_t
   }
 }
 
+// Moves a slab between memory (its rows packed) and the file: one transfer when the slab's rows
+// are whole dataset rows, else one per row.
+template <class Transfer, class Ptr>
+void transfer_slab(Transfer transfer, int fd, Ptr p, const ByteSlab& s, const fs::path& file, std::string_view what) {
+  if (s.run == s.stride) return transfer_all(transfer, fd, p, s.run * static_cast<std::size_t>(s.rows), s.first, file, what);
+  for (std::int64_t r = 0; r < s.rows; ++r, p += s.run)
+    transfer_all(transfer, fd, p, s.run, s.first + static_cast<std::uint64_t>(r) * s.stride, file, what);
+}
+
 void select_slab(hid_t space, std::span<const std::int64_t> offset, std::span<const std::int64_t> count, const Where& w) {
   const auto start = to_hsize(offset), extent = to_hsize(count);
   check(H5Sselect_hyperslab(space, H5S_SELECT_SET, start.data(), nullptr, extent.data(), nullptr), w);
@@ -381,12 +409,12 @@ std::vector<DatasetInfo> create_skeleton(const fs::path& path, std::span<const D
   Hid fapl = file_access();
   Hid file = owned(H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl.get()), H5Fclose, w);
   {
-    Hid meta = owned(H5Gcreate2(file.get(), meta_group, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Gclose, w);
+    Hid meta = create_group(file.get(), meta_group, w);
     write_attr(meta.get(), "format", std::string_view("shardckpt"), w);
     write_attr(meta.get(), "format_version", std::int64_t{format_version}, w);
     write_attr(meta.get(), "kind", std::string_view(contents.kind == CheckpointKind::global ? "global" : "local"), w);
     write_attr(meta.get(), "params", std::string_view(params_json(contents.params).dump()), w);
-    Hid common = owned(H5Gcreate2(file.get(), common_group, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Gclose, w);
+    Hid common = create_group(file.get(), common_group, w);
     for (const auto& [key, value] : contents.common) {
       require_key(key);
       std::visit([&](const auto& v) { write_attr(common.get(), key.c_str(), v, w); }, value);
@@ -448,14 +476,7 @@ void PieceWriter::write(const DatasetInfo& d, std::span<const std::int64_t> offs
   Impl& m = *impl_;
   if (m.method == IoMethod::direct) {
     require(d.address.has_value(), Errc::invalid_argument, "key ", d.key, ": the direct path needs a contiguous dataset");
-    const ByteSlab s = byte_slab(d, box);
-    const std::byte* p = src.data();
-    if (s.run == s.stride) {
-      transfer_all(::pwrite, m.fd.get(), p, s.run * static_cast<std::size_t>(s.rows), s.first, m.path, "write");
-    } else {
-      for (std::int64_t r = 0; r < s.rows; ++r, p += s.run)
-        transfer_all(::pwrite, m.fd.get(), p, s.run, s.first + static_cast<std::uint64_t>(r) * s.stride, m.path, "write");
-    }
+    transfer_slab(::pwrite, m.fd.get(), src.data(), byte_slab(d, box), m.path, "write");
     return;
   }
   const Where w{m.path, d.key, "write a piece"};
@@ -533,17 +554,23 @@ CheckpointReader::CheckpointReader(const fs::path& path) : impl_(std::make_uniqu
   const Where w{path, "", "read the checkpoint metadata"};
   if (check(H5Lexists(m.file.get(), meta_group, H5P_DEFAULT), w) <= 0) refuse("it has no /_shardckpt group");
   Hid meta = owned(H5Gopen2(m.file.get(), meta_group, H5P_DEFAULT), H5Gclose, w);
-  if (!has_attr(meta.get(), "format_version", w)) refuse("it has no format version");
-  const auto version = std::get<std::int64_t>(read_attr(meta.get(), "format_version", w));
+  for (const char* name : {"format", "format_version", "kind", "params"})
+    if (!has_attr(meta.get(), name, w)) refuse(cat("/_shardckpt has no attribute ", name));
+  if (read_attr(meta.get(), "format", w) != CommonValue(std::string("shardckpt"))) refuse("/_shardckpt names another format");
+  const CommonValue version_attr = read_attr(meta.get(), "format_version", w);
+  if (!std::holds_alternative<std::int64_t>(version_attr)) refuse("its format version is not an integer");
+  const auto version = std::get<std::int64_t>(version_attr);
   if (version > format_version) refuse(cat("format version ", version, " is newer than this library's ", format_version));
   if (!has_attr(meta.get(), "complete", w)) refuse("the save that wrote it did not finish");
-  m.contents.kind = std::get<std::string>(read_attr(meta.get(), "kind", w)) == "local" ? CheckpointKind::local
-                                                                                        : CheckpointKind::global;
+  const CommonValue kind = read_attr(meta.get(), "kind", w);
+  if (kind != CommonValue(std::string("global")) && kind != CommonValue(std::string("local"))) refuse("unknown kind");
+  m.contents.kind = std::get<std::string>(kind) == "local" ? CheckpointKind::local : CheckpointKind::global;
   try {
     m.contents.params = params_from_json(json::parse(std::get<std::string>(read_attr(meta.get(), "params", w))));
-  } catch (const json::exception& e) {
+  } catch (const std::exception& e) {  // not JSON, not a string, or fields missing
     refuse(cat("its parameter records do not parse: ", e.what()));
   }
+  if (check(H5Lexists(m.file.get(), common_group, H5P_DEFAULT), w) <= 0) refuse("it has no /_shardckpt/common group");
   {
     Hid common = owned(H5Gopen2(m.file.get(), common_group, H5P_DEFAULT), H5Gclose, w);
     H5O_info_t info;
@@ -569,6 +596,9 @@ CheckpointReader::CheckpointReader(const fs::path& path) : impl_(std::make_uniqu
   for (const std::string& name : names) {
     if (name == meta_group) continue;
     const Where dw{path, name, "read the dataset header"};
+    H5O_info_t object;
+    check(H5Oget_info_by_name2(m.file.get(), name.c_str(), &object, H5O_INFO_BASIC, H5P_DEFAULT), dw);
+    if (object.type != H5O_TYPE_DATASET) continue;  // groups others added are not tensors
     Hid set = owned(H5Dopen2(m.file.get(), name.c_str(), H5P_DEFAULT), H5Dclose, dw);
     Hid type = owned(H5Dget_type(set.get()), H5Tclose, dw);
     const auto dtype = dtype_of_h5(type.get());
@@ -616,14 +646,7 @@ void CheckpointReader::read(const DatasetInfo& d, std::span<const std::int64_t> 
   if (dst.empty()) return;
   const Impl& m = *impl_;
   if (method == IoMethod::direct && d.address) {
-    const ByteSlab s = byte_slab(d, box);
-    std::byte* p = dst.data();
-    if (s.run == s.stride) {
-      transfer_all(::pread, m.fd.get(), p, s.run * static_cast<std::size_t>(s.rows), s.first, m.path, "read");
-    } else {
-      for (std::int64_t r = 0; r < s.rows; ++r, p += s.run)
-        transfer_all(::pread, m.fd.get(), p, s.run, s.first + static_cast<std::uint64_t>(r) * s.stride, m.path, "read");
-    }
+    transfer_slab(::pread, m.fd.get(), dst.data(), byte_slab(d, box), m.path, "read");
     return;
   }
   // Datasets the direct path cannot address (chunked, another byte order) go through HDF5.

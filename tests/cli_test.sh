@@ -43,6 +43,8 @@ for args in "--model gdp-in-proj --heads 3 --head-dim 4 --groups 2 --state 4 --c
   if "$exe" plan $args > /dev/null 2> "$dir/err"; then fail "plan $args should fail"; else ok; fi
   check "one-line reason for $args" test "$(wc -l < "$dir/err")" -eq 1
 done
+if "$exe" plan --model plain --rows 4 --tp 1 --gtp 1 --align 0 2> "$dir/err"; then fail "missing --cols"; else
+  check "usage error exits 2" test $? -eq 2; check "usage error is one line" test "$(wc -l < "$dir/err")" -eq 1; fi
 grep -q "does not divide by TP 2" <("$exe" plan --model gdp-in-proj --heads 3 --head-dim 4 --groups 2 --state 4 --cols 4 --tp 2 --gtp 2 --align 0 2>&1) || fail "reason names heads/TP"
 
 # demo: saves, reloads at another layout, verifies

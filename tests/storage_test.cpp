@@ -196,3 +196,39 @@ TEST(Storage, ParamRecordsRoundTripAndPlanAtAnyTp) {
   EXPECT_EQ(spec_at_tp(rec, 2).sections, spec.sections);
   EXPECT_EQ(spec_at_tp(rec, 1).rows(), 2 * spec.rows());
 }
+
+TEST(Storage, LargeParameterRecordsAndCommonValuesFit) {
+  // Far past HDF5's 64 KiB cap on compactly stored attributes.
+  ScratchDir dir;
+  std::vector<ParamRecord> records;
+  for (int i = 0; i < 3000; ++i)
+    records.push_back({"decoder.layers." + std::to_string(i) + ".mixer.in_proj.weight", TpAxis::rows,
+                       {{"z", 64}, {"x", 64}, {"B", 32}, {"C", 32}, {"dt", 8}}, {4096}});
+  const std::string config(200'000, 'c');
+  (void)create_skeleton(dir / "big.h5", two_datasets(), {CheckpointKind::global, records, {{"config", config}}});
+  mark_complete(dir / "big.h5");
+  const CheckpointReader r(dir / "big.h5");
+  EXPECT_EQ(r.contents().params, records);
+  EXPECT_EQ(std::get<std::string>(r.contents().common.at("config")), config);
+}
+
+TEST(Storage, ReadsWhatH5pyAddsAndRefusesWhatIsNotOurs) {
+  if (std::system("/usr/bin/python3 -c 'import h5py' 2> /dev/null") != 0) GTEST_SKIP() << "h5py is not installed";
+  ScratchDir dir;
+  write_all(dir / "c.h5", IoMethod::direct);
+  auto py = [&](const std::string& code) {
+    return std::system(("/usr/bin/python3 -c \"import h5py; f = h5py.File('" + (dir / "c.h5").string() + "', 'r+'); " +
+                        code + "\"").c_str());
+  };
+  // A variable-length string common value (h5py's default) and a group of someone else's.
+  ASSERT_EQ(py("f['_shardckpt/common'].attrs['note'] = 'from h5py'; f.create_group('extra')"), 0);
+  {
+    const CheckpointReader r(dir / "c.h5");
+    EXPECT_EQ(std::get<std::string>(r.contents().common.at("note")), "from h5py");
+    EXPECT_EQ(r.datasets().size(), 2u);
+  }
+  ASSERT_EQ(py("f['_shardckpt'].attrs['format'] = 'other'"), 0);
+  EXPECT_EQ(error_code_of([&] { CheckpointReader r(dir / "c.h5"); }), Errc::not_a_checkpoint);
+  ASSERT_EQ(py("del f['_shardckpt'].attrs['format']"), 0);
+  EXPECT_EQ(error_code_of([&] { CheckpointReader r(dir / "c.h5"); }), Errc::not_a_checkpoint);
+}

@@ -334,7 +334,7 @@ int cmd_load(const fs::path& file, const model::ModelConfig& config, const model
 }
 
 // Every tensor of the input as a parameter: fused ones from their records, every other dataset as a
-// plain replicated one, so that nothing is lost whatever the input held.
+// plain replicated one. Datasets without rows (placeholders exist only in local files) carry no data.
 std::vector<std::pair<ParamRecord, DType>> reshard_params(const CheckpointReader& in) {
   std::vector<std::pair<ParamRecord, DType>> out;
   std::set<std::string> covered;
@@ -459,9 +459,9 @@ int main(int argc, char** argv) {
   demo->add_option("--out", demo_out, "checkpoint file to write")->required();
   demo_model.add(*demo);
   demo_layout.add(*demo, true);
-  demo->add_option("--load-tp", load_to.tp, "TP of the reload")->capture_default_str();
-  demo->add_option("--load-gtp", load_to.gtp, "GTP of the reload (default: the save's ranks)");
-  demo->add_option("--load-align", load_to.align, "alignment of the reload")->capture_default_str();
+  demo->add_option("--load-tp", load_to.tp, "TP of the reload")->capture_default_str()->check(CLI::PositiveNumber);
+  demo->add_option("--load-gtp", load_to.gtp, "GTP of the reload (default: the save's ranks)")->check(CLI::PositiveNumber);
+  demo->add_option("--load-align", load_to.align, "alignment of the reload")->capture_default_str()->check(CLI::NonNegativeNumber);
   demo->add_flag("--json", demo_json);
   add_method(demo);
 
@@ -513,8 +513,8 @@ int main(int argc, char** argv) {
     if (*reshard) rc = cmd_reshard(rin, rout, reshard_layout.layout);
     if (*inspect) rc = cmd_inspect(inspect_file, inspect_json);
   } catch (const CLI::ParseError& e) {
-    rc = app.exit(e);
-  } catch (const Error& e) {
+    rc = app.exit(e) == 0 ? 0 : 2;  // --help is no error; every usage error exits 2
+  } catch (const std::exception& e) {
     std::cerr << "shardckpt: error: " << e.what() << "\n";
     rc = 2;
   }
