@@ -64,34 +64,57 @@ void require(bool ok, Errc code, const Parts&... parts) {
 
 enum class DType : std::uint8_t { bf16, f16, f32, f64, i8, i16, i32, i64, u8, u16, u32, u64 };
 
-inline constexpr DType all_dtypes[] = {DType::bf16, DType::f16, DType::f32, DType::f64,
-                                       DType::i8,   DType::i16, DType::i32, DType::i64,
-                                       DType::u8,   DType::u16, DType::u32, DType::u64};
+inline constexpr DType all_dtypes[] = {DType::bf16, DType::f16, DType::f32, DType::f64, DType::i8,  DType::i16,
+                                       DType::i32,  DType::i64, DType::u8,  DType::u16, DType::u32, DType::u64};
 
 constexpr std::size_t dtype_size(DType t) noexcept {
   switch (t) {
-    case DType::i8: case DType::u8: return 1;
-    case DType::bf16: case DType::f16: case DType::i16: case DType::u16: return 2;
-    case DType::f32: case DType::i32: case DType::u32: return 4;
-    case DType::f64: case DType::i64: case DType::u64: return 8;
+    case DType::i8:
+    case DType::u8:
+      return 1;
+    case DType::bf16:
+    case DType::f16:
+    case DType::i16:
+    case DType::u16:
+      return 2;
+    case DType::f32:
+    case DType::i32:
+    case DType::u32:
+      return 4;
+    case DType::f64:
+    case DType::i64:
+    case DType::u64:
+      return 8;
   }
   return 0;
 }
 
 constexpr std::string_view dtype_name(DType t) noexcept {
   switch (t) {
-    case DType::bf16: return "bf16";
-    case DType::f16: return "f16";
-    case DType::f32: return "f32";
-    case DType::f64: return "f64";
-    case DType::i8: return "i8";
-    case DType::i16: return "i16";
-    case DType::i32: return "i32";
-    case DType::i64: return "i64";
-    case DType::u8: return "u8";
-    case DType::u16: return "u16";
-    case DType::u32: return "u32";
-    case DType::u64: return "u64";
+    case DType::bf16:
+      return "bf16";
+    case DType::f16:
+      return "f16";
+    case DType::f32:
+      return "f32";
+    case DType::f64:
+      return "f64";
+    case DType::i8:
+      return "i8";
+    case DType::i16:
+      return "i16";
+    case DType::i32:
+      return "i32";
+    case DType::i64:
+      return "i64";
+    case DType::u8:
+      return "u8";
+    case DType::u16:
+      return "u16";
+    case DType::u32:
+      return "u32";
+    case DType::u64:
+      return "u64";
   }
   return "?";
 }

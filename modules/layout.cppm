@@ -22,9 +22,7 @@ struct RowRange {
 
   constexpr std::int64_t size() const noexcept { return end > begin ? end - begin : 0; }
   constexpr bool empty() const noexcept { return end <= begin; }
-  constexpr RowRange intersect(RowRange o) const noexcept {
-    return {std::max(begin, o.begin), std::min(end, o.end)};
-  }
+  constexpr RowRange intersect(RowRange o) const noexcept { return {std::max(begin, o.begin), std::min(end, o.end)}; }
   friend constexpr bool operator==(RowRange, RowRange) = default;
 };
 
@@ -44,9 +42,7 @@ class GtpGeometry {
   constexpr std::int64_t pad() const noexcept { return pad_; }
   constexpr std::int64_t shard_rows() const noexcept { return shard_rows_; }
 
-  constexpr RowRange padded_rows(std::int64_t g) const noexcept {
-    return {g * shard_rows_, (g + 1) * shard_rows_};
-  }
+  constexpr RowRange padded_rows(std::int64_t g) const noexcept { return {g * shard_rows_, (g + 1) * shard_rows_}; }
   constexpr std::int64_t real_count(std::int64_t g) const noexcept {
     return std::clamp<std::int64_t>(rows_ - g * shard_rows_, 0, shard_rows_);
   }
@@ -152,7 +148,7 @@ struct RankPlan {
   std::int64_t row_elems = 0;  // C
   std::int64_t real_rows = 0;  // n_g
   bool padding_only = false;
-  bool main_replica = true;    // false for TP replicas of a replicated weight
+  bool main_replica = true;  // false for TP replicas of a replicated weight
   std::vector<Piece> pieces;
 };
 

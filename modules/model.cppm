@@ -62,10 +62,10 @@ RankModel build_rank(const ModelConfig& config, const Layout& layout, int rank);
 StateDict request(const ModelConfig& config, const Layout& layout, int rank);
 
 struct Verification {
-  std::int64_t values = 0;      // elements compared
-  std::int64_t pad_rows = 0;    // pad rows checked to be zero
+  std::int64_t values = 0;    // elements compared
+  std::int64_t pad_rows = 0;  // pad rows checked to be zero
   std::int64_t mismatches = 0;
-  std::string first_mismatch;   // key, row and values of the first one
+  std::string first_mismatch;  // key, row and values of the first one
 };
 // Checks every loaded shard of `rank` against the pattern (real rows) and zero (pad rows), and the
 // common and local values.

@@ -31,19 +31,56 @@ f16 to_f16(float value) noexcept;
 float to_f32(bf16 value) noexcept;
 float to_f32(f16 value) noexcept;
 
-template <class T> struct dtype_of;
-template <> struct dtype_of<bf16> { static constexpr DType value = DType::bf16; };
-template <> struct dtype_of<f16> { static constexpr DType value = DType::f16; };
-template <> struct dtype_of<float> { static constexpr DType value = DType::f32; };
-template <> struct dtype_of<double> { static constexpr DType value = DType::f64; };
-template <> struct dtype_of<std::int8_t> { static constexpr DType value = DType::i8; };
-template <> struct dtype_of<std::int16_t> { static constexpr DType value = DType::i16; };
-template <> struct dtype_of<std::int32_t> { static constexpr DType value = DType::i32; };
-template <> struct dtype_of<std::int64_t> { static constexpr DType value = DType::i64; };
-template <> struct dtype_of<std::uint8_t> { static constexpr DType value = DType::u8; };
-template <> struct dtype_of<std::uint16_t> { static constexpr DType value = DType::u16; };
-template <> struct dtype_of<std::uint32_t> { static constexpr DType value = DType::u32; };
-template <> struct dtype_of<std::uint64_t> { static constexpr DType value = DType::u64; };
+template <class T>
+struct dtype_of;
+template <>
+struct dtype_of<bf16> {
+  static constexpr DType value = DType::bf16;
+};
+template <>
+struct dtype_of<f16> {
+  static constexpr DType value = DType::f16;
+};
+template <>
+struct dtype_of<float> {
+  static constexpr DType value = DType::f32;
+};
+template <>
+struct dtype_of<double> {
+  static constexpr DType value = DType::f64;
+};
+template <>
+struct dtype_of<std::int8_t> {
+  static constexpr DType value = DType::i8;
+};
+template <>
+struct dtype_of<std::int16_t> {
+  static constexpr DType value = DType::i16;
+};
+template <>
+struct dtype_of<std::int32_t> {
+  static constexpr DType value = DType::i32;
+};
+template <>
+struct dtype_of<std::int64_t> {
+  static constexpr DType value = DType::i64;
+};
+template <>
+struct dtype_of<std::uint8_t> {
+  static constexpr DType value = DType::u8;
+};
+template <>
+struct dtype_of<std::uint16_t> {
+  static constexpr DType value = DType::u16;
+};
+template <>
+struct dtype_of<std::uint32_t> {
+  static constexpr DType value = DType::u32;
+};
+template <>
+struct dtype_of<std::uint64_t> {
+  static constexpr DType value = DType::u64;
+};
 
 template <class T>
 concept Element = requires { dtype_of<std::remove_const_t<T>>::value; };

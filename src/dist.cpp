@@ -72,14 +72,18 @@ json claim_json(const Claim& c) {
 }
 
 Claim claim_from(const json& j, int rank) {
-  return {j[0].get<std::string>(), static_cast<DType>(j[1].get<int>()), j[2].get<std::vector<std::int64_t>>(),
-          j[3].get<std::vector<std::int64_t>>(), j[4].get<std::vector<std::int64_t>>(), rank, j[5].get<bool>()};
+  return {j[0].get<std::string>(),
+          static_cast<DType>(j[1].get<int>()),
+          j[2].get<std::vector<std::int64_t>>(),
+          j[3].get<std::vector<std::int64_t>>(),
+          j[4].get<std::vector<std::int64_t>>(),
+          rank,
+          j[5].get<bool>()};
 }
 
 json common_json(const std::map<std::string, CommonValue, std::less<>>& common) {
   json out = json::object();
-  for (const auto& [key, value] : common)
-    std::visit([&](const auto& v) { out[key] = v; }, value);
+  for (const auto& [key, value] : common) std::visit([&](const auto& v) { out[key] = v; }, value);
   return out;
 }
 
@@ -96,7 +100,8 @@ json record_json(const ParamRecord& r) {
 }
 
 ParamRecord record_from(const json& j) {
-  ParamRecord r{j[0].get<std::string>(), static_cast<TpAxis>(j[1].get<int>()), {}, j[3].get<std::vector<std::int64_t>>()};
+  ParamRecord r{
+      j[0].get<std::string>(), static_cast<TpAxis>(j[1].get<int>()), {}, j[3].get<std::vector<std::int64_t>>()};
   for (const json& b : j[2]) r.blocks.push_back({b[0].get<std::string>(), b[1].get<std::int64_t>()});
   return r;
 }
@@ -106,8 +111,12 @@ json dataset_json(const DatasetInfo& d) {
 }
 
 DatasetInfo dataset_from(const json& j) {
-  DatasetInfo d{j[0].get<std::string>(), static_cast<DType>(j[1].get<int>()), j[2].get<std::vector<std::int64_t>>(),
-                std::nullopt, std::nullopt, false};
+  DatasetInfo d{j[0].get<std::string>(),
+                static_cast<DType>(j[1].get<int>()),
+                j[2].get<std::vector<std::int64_t>>(),
+                std::nullopt,
+                std::nullopt,
+                false};
   if (!j[3].is_null()) d.address = j[3].get<std::uint64_t>();
   return d;
 }
@@ -134,8 +143,10 @@ struct ThreadGroup::State {
     void barrier() override { (void)all_gather({}); }
     std::vector<Bytes> all_gather(std::span<const std::byte> mine) override { return state->exchange(me, mine); }
     Bytes broadcast(std::span<const std::byte> bytes, int root) override {
-      require(root >= 0 && root < size(), Errc::invalid_argument, "broadcast root ", root, " is outside a group of ", size());
-      return std::move(state->exchange(me, me == root ? bytes : std::span<const std::byte>())[static_cast<std::size_t>(root)]);
+      require(root >= 0 && root < size(), Errc::invalid_argument, "broadcast root ", root, " is outside a group of ",
+              size());
+      return std::move(
+          state->exchange(me, me == root ? bytes : std::span<const std::byte>())[static_cast<std::size_t>(root)]);
     }
   };
 
@@ -223,40 +234,42 @@ void save(const StateDict& state, const fs::path& path, ProcessGroup& group, Sav
   const int me = group.rank();
   const fs::path partial = partial_path(path);
   try {
-  SavePlan plan;
-  // 1. Every rank's plan, to every rank.
-  const std::vector<json> shared = agree(group, "planning the save", [&] {
-    plan = prepare_save(state);
-    json claims = json::array(), records = json::array();
-    for (const Claim& c : claims_of(plan, me)) claims.push_back(claim_json(c));
-    for (const ParamRecord& r : plan.params) records.push_back(record_json(r));
-    return json{{"claims", claims}, {"params", records}, {"common", me == 0 ? common_json(plan.common) : json::object()}};
-  });
-  // 2. Validation of all plans together, before anything touches the disk. It is deterministic,
-  // so every rank reaches the same verdict; agree() still makes a rank's surprise everyone's.
-  std::vector<Claim> claims;
-  CheckpointContents contents;
-  agree(group, "validating the plans of all ranks", [&] {
-    std::map<std::string, ParamRecord> records;
-    for (std::size_t r = 0; r < shared.size(); ++r) {
-      for (const json& c : shared[r].at("claims")) claims.push_back(claim_from(c, static_cast<int>(r)));
-      for (const json& j : shared[r].at("params")) {
-        ParamRecord rec = record_from(j);
-        const auto [it, fresh] = records.emplace(rec.key, rec);
-        require(fresh || it->second == rec, Errc::shape_mismatch, "parameter ", rec.key, ": rank ", r,
-                " describes its blocks differently from another rank");
+    SavePlan plan;
+    // 1. Every rank's plan, to every rank.
+    const std::vector<json> shared = agree(group, "planning the save", [&] {
+      plan = prepare_save(state);
+      json claims = json::array(), records = json::array();
+      for (const Claim& c : claims_of(plan, me)) claims.push_back(claim_json(c));
+      for (const ParamRecord& r : plan.params) records.push_back(record_json(r));
+      return json{
+          {"claims", claims}, {"params", records}, {"common", me == 0 ? common_json(plan.common) : json::object()}};
+    });
+    // 2. Validation of all plans together, before anything touches the disk. It is deterministic,
+    // so every rank reaches the same verdict; agree() still makes a rank's surprise everyone's.
+    std::vector<Claim> claims;
+    CheckpointContents contents;
+    agree(group, "validating the plans of all ranks", [&] {
+      std::map<std::string, ParamRecord> records;
+      for (std::size_t r = 0; r < shared.size(); ++r) {
+        for (const json& c : shared[r].at("claims")) claims.push_back(claim_from(c, static_cast<int>(r)));
+        for (const json& j : shared[r].at("params")) {
+          ParamRecord rec = record_from(j);
+          const auto [it, fresh] = records.emplace(rec.key, rec);
+          require(fresh || it->second == rec, Errc::shape_mismatch, "parameter ", rec.key, ": rank ", r,
+                  " describes its blocks differently from another rank");
+        }
       }
-    }
-    validate_claims(claims);
-    for (auto& [key, rec] : records) contents.params.push_back(std::move(rec));
-    for (const auto& [key, value] : shared[0].at("common").items()) contents.common.emplace(key, common_from(value));
-    return json();
-  });
-  // 3. Rank 0 creates the file with every dataset at its global shape; all learn the addresses.
+      validate_claims(claims);
+      for (auto& [key, rec] : records) contents.params.push_back(std::move(rec));
+      for (const auto& [key, value] : shared[0].at("common").items()) contents.common.emplace(key, common_from(value));
+      return json();
+    });
+    // 3. Rank 0 creates the file with every dataset at its global shape; all learn the addresses.
     const std::vector<json> created = agree(group, "creating the checkpoint", [&] {
       json out = json::array();
       if (me == 0)
-        for (const DatasetInfo& d : create_skeleton(partial, datasets_of(claims), contents)) out.push_back(dataset_json(d));
+        for (const DatasetInfo& d : create_skeleton(partial, datasets_of(claims), contents))
+          out.push_back(dataset_json(d));
       return out;
     });
     std::vector<DatasetInfo> datasets;

@@ -85,16 +85,20 @@ std::vector<std::vector<std::byte>> NcclGroup::all_gather(std::span<const std::b
   check_cuda(cudaMemcpyAsync(my_size, &n, sizeof n, cudaMemcpyHostToDevice, impl_->stream), "cudaMemcpyAsync");
   check_nccl(ncclAllGather(my_size, sizes.ptr, 1, ncclInt64, impl_->comm, impl_->stream), "ncclAllGather");
   std::vector<std::int64_t> all_sizes(static_cast<std::size_t>(size_));
-  check_cuda(cudaMemcpyAsync(all_sizes.data(), sizes.ptr, sizeof(std::int64_t) * all_sizes.size(), cudaMemcpyDeviceToHost,
-                             impl_->stream), "cudaMemcpyAsync");
+  check_cuda(cudaMemcpyAsync(all_sizes.data(), sizes.ptr, sizeof(std::int64_t) * all_sizes.size(),
+                             cudaMemcpyDeviceToHost, impl_->stream),
+             "cudaMemcpyAsync");
   impl_->sync();
   const auto widest = static_cast<std::size_t>(*std::max_element(all_sizes.begin(), all_sizes.end()));
   DeviceBytes data(widest * static_cast<std::size_t>(size_));
   auto* my_slot = static_cast<std::byte*>(data.ptr) + widest * static_cast<std::size_t>(rank_);
-  if (n > 0) check_cuda(cudaMemcpyAsync(my_slot, mine.data(), mine.size(), cudaMemcpyHostToDevice, impl_->stream), "cudaMemcpyAsync");
+  if (n > 0)
+    check_cuda(cudaMemcpyAsync(my_slot, mine.data(), mine.size(), cudaMemcpyHostToDevice, impl_->stream),
+               "cudaMemcpyAsync");
   check_nccl(ncclAllGather(my_slot, data.ptr, widest, ncclUint8, impl_->comm, impl_->stream), "ncclAllGather");
   std::vector<std::byte> host(widest * static_cast<std::size_t>(size_));
-  check_cuda(cudaMemcpyAsync(host.data(), data.ptr, host.size(), cudaMemcpyDeviceToHost, impl_->stream), "cudaMemcpyAsync");
+  check_cuda(cudaMemcpyAsync(host.data(), data.ptr, host.size(), cudaMemcpyDeviceToHost, impl_->stream),
+             "cudaMemcpyAsync");
   impl_->sync();
   std::vector<std::vector<std::byte>> out(static_cast<std::size_t>(size_));
   for (std::size_t r = 0; r < out.size(); ++r)

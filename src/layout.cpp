@@ -4,15 +4,15 @@ module;
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <range/v3/numeric/accumulate.hpp>
+#include <range/v3/view/exclusive_scan.hpp>
+#include <range/v3/view/transform.hpp>
+#include <range/v3/view/zip.hpp>
 #include <set>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
-#include <range/v3/numeric/accumulate.hpp>
-#include <range/v3/view/exclusive_scan.hpp>
-#include <range/v3/view/transform.hpp>
-#include <range/v3/view/zip.hpp>
 module shardckpt.layout;
 
 namespace shardckpt {
@@ -35,16 +35,14 @@ struct LocalDims {
 };
 
 LocalDims local_dims(const SsmDims& d, int tp) {
-  require(d.head_dim > 0 && d.state > 0, Errc::layout, "head_dim (", d.head_dim, ") and state (",
-          d.state, ") must be positive");
-  require(d.householder >= 1, Errc::layout, "householder count must be at least 1 (got ",
-          d.householder, ")");
+  require(d.head_dim > 0 && d.state > 0, Errc::layout, "head_dim (", d.head_dim, ") and state (", d.state,
+          ") must be positive");
+  require(d.householder >= 1, Errc::layout, "householder count must be at least 1 (got ", d.householder, ")");
   const std::int64_t heads = per_tp(d.heads, tp, "heads");
   return {heads * d.head_dim, per_tp(d.groups, tp, "groups") * d.state, heads, d.householder};
 }
 
-void add_repeated(std::vector<Section>& out, std::string_view prefix, std::int64_t n,
-                  std::int64_t rows) {
+void add_repeated(std::vector<Section>& out, std::string_view prefix, std::int64_t n, std::int64_t rows) {
   for (std::int64_t i = 0; i < n; ++i) out.push_back({cat(prefix, i), rows});
 }
 
@@ -90,8 +88,7 @@ std::vector<Section> gdp_conv1d_sections(const SsmDims& dims, int tp) {
 
 std::vector<Section> mamba_in_proj_sections(const SsmDims& dims, int tp) {
   const LocalDims d = local_dims(dims, tp);
-  return {{"z", d.d_inner}, {"x", d.d_inner}, {"B", d.group_state}, {"C", d.group_state},
-          {"dt", d.heads}};
+  return {{"z", d.d_inner}, {"x", d.d_inner}, {"B", d.group_state}, {"C", d.group_state}, {"dt", d.heads}};
 }
 
 std::vector<Section> mamba_conv1d_sections(const SsmDims& dims, int tp) {
@@ -103,9 +100,12 @@ std::vector<Section> plain_sections(std::int64_t rows) { return {{"", rows}}; }
 
 std::string_view tp_axis_name(TpAxis axis) noexcept {
   switch (axis) {
-    case TpAxis::rows: return "rows";
-    case TpAxis::cols: return "cols";
-    case TpAxis::replicated: return "replicated";
+    case TpAxis::rows:
+      return "rows";
+    case TpAxis::cols:
+      return "cols";
+    case TpAxis::replicated:
+      return "replicated";
   }
   return "?";
 }
@@ -123,19 +123,17 @@ std::int64_t ParamSpec::rows() const noexcept {
 std::int64_t ParamSpec::row_elems() const noexcept { return product(trailing); }
 
 void validate(const ParamSpec& spec) {
-  require(!spec.key.empty() && spec.key.find('/') == std::string::npos && spec.key[0] != '_',
-          Errc::invalid_argument, "parameter key '", spec.key,
-          "' must be non-empty, contain no '/' and not start with '_'");
+  require(!spec.key.empty() && spec.key.find('/') == std::string::npos && spec.key[0] != '_', Errc::invalid_argument,
+          "parameter key '", spec.key, "' must be non-empty, contain no '/' and not start with '_'");
   require(spec.tp >= 1, Errc::layout, spec.key, ": TP must be at least 1 (got ", spec.tp, ")");
   require(!spec.sections.empty(), Errc::layout, spec.key, ": a parameter needs at least one section");
   std::set<std::string_view> names;
   for (const Section& s : spec.sections) {
     require(s.rows > 0, Errc::layout, spec.key, ": section '", s.name, "' has ", s.rows,
             " rows; sections must be positive");
-    require(names.insert(s.name).second, Errc::layout, spec.key, ": section name '", s.name,
-            "' appears twice");
-    require(s.name.find('/') == std::string::npos, Errc::invalid_argument, spec.key,
-            ": section name '", s.name, "' contains '/'");
+    require(names.insert(s.name).second, Errc::layout, spec.key, ": section name '", s.name, "' appears twice");
+    require(s.name.find('/') == std::string::npos, Errc::invalid_argument, spec.key, ": section name '", s.name,
+            "' contains '/'");
   }
   require(spec.sections.size() == 1 || !spec.sections[0].name.empty(), Errc::layout, spec.key,
           ": only a single-section (plain) weight may have an unnamed section");
@@ -156,8 +154,8 @@ std::vector<Block> blocks(const ParamSpec& spec) {
   std::vector<Block> out;
   out.reserve(spec.sections.size());
   // S_j: the first TP-local row of section j is the exclusive prefix sum of the sizes before it.
-  auto starts = spec.sections | ranges::views::transform(&Section::rows) |
-                ranges::views::exclusive_scan(std::int64_t{0});
+  auto starts =
+      spec.sections | ranges::views::transform(&Section::rows) | ranges::views::exclusive_scan(std::int64_t{0});
   for (auto [section, start] : ranges::views::zip(spec.sections, starts)) {
     Block b{block_key(spec.key, section.name), {start, start + section.rows}, {}};
     b.global_shape.push_back(spec.tp_axis == TpAxis::rows ? section.rows * spec.tp : section.rows);
@@ -197,10 +195,10 @@ std::vector<std::int64_t> global_trailing(const ParamSpec& spec) {
 }
 
 RankPlan plan_rank(const ParamSpec& spec, std::int64_t gtp, std::int64_t align, ShardCoord coord) {
-  require(coord.tp_rank >= 0 && coord.tp_rank < spec.tp, Errc::invalid_argument, spec.key, ": TP rank ",
-          coord.tp_rank, " is outside [0, ", spec.tp, ")");
-  require(coord.gtp_rank >= 0 && coord.gtp_rank < gtp, Errc::invalid_argument, spec.key, ": GTP rank ",
-          coord.gtp_rank, " is outside [0, ", gtp, ")");
+  require(coord.tp_rank >= 0 && coord.tp_rank < spec.tp, Errc::invalid_argument, spec.key, ": TP rank ", coord.tp_rank,
+          " is outside [0, ", spec.tp, ")");
+  require(coord.gtp_rank >= 0 && coord.gtp_rank < gtp, Errc::invalid_argument, spec.key, ": GTP rank ", coord.gtp_rank,
+          " is outside [0, ", gtp, ")");
   RankPlan plan;
   plan.coord = coord;
   plan.geometry = GtpGeometry::make(spec.rows(), gtp, align);
@@ -214,8 +212,8 @@ RankPlan plan_rank(const ParamSpec& spec, std::int64_t gtp, std::int64_t align, 
     const Block& b = all[j];
     const RowRange hit = real.intersect(b.local_rows);  // [lo, hi) of SPEC.md, "What a rank saves"
     if (hit.empty()) continue;
-    Piece p{b.key, j, b.global_shape, std::vector<std::int64_t>(b.global_shape.size(), 0), {},
-            hit.size(), hit.begin - real.begin};
+    Piece p{b.key, j,          b.global_shape,        std::vector<std::int64_t>(b.global_shape.size(), 0),
+            {},    hit.size(), hit.begin - real.begin};
     p.count.push_back(hit.size());
     p.count.insert(p.count.end(), spec.trailing.begin(), spec.trailing.end());
     switch (spec.tp_axis) {
@@ -237,14 +235,14 @@ RankPlan plan_rank(const ParamSpec& spec, std::int64_t gtp, std::int64_t align, 
 
 Box footprint(const Claim& c) {
   const std::size_t rank = c.global_shape.size();
-  require(rank >= 1 && c.global_offset.size() == rank && c.count.size() == rank, Errc::invalid_argument,
-          c.key, ": rank ", c.rank, " claims a slab whose offset/count do not match the dataset's rank ", rank);
+  require(rank >= 1 && c.global_offset.size() == rank && c.count.size() == rank, Errc::invalid_argument, c.key,
+          ": rank ", c.rank, " claims a slab whose offset/count do not match the dataset's rank ", rank);
   for (std::size_t d = 0; d < rank; ++d) {
     require(c.global_offset[d] >= 0 && c.count[d] >= 0 && c.global_offset[d] + c.count[d] <= c.global_shape[d],
             Errc::invalid_argument, c.key, ": rank ", c.rank, " claims [", c.global_offset[d], ", ",
             c.global_offset[d] + c.count[d], ") of dim ", d, " whose size is ", c.global_shape[d]);
-    require(d < 2 || (c.global_offset[d] == 0 && c.count[d] == c.global_shape[d]), Errc::invalid_argument,
-            c.key, ": rank ", c.rank, " splits dim ", d, "; only dims 0 and 1 may be split");
+    require(d < 2 || (c.global_offset[d] == 0 && c.count[d] == c.global_shape[d]), Errc::invalid_argument, c.key,
+            ": rank ", c.rank, " splits dim ", d, "; only dims 0 and 1 may be split");
   }
   Box box{{c.global_offset[0], c.global_offset[0] + c.count[0]}, {0, 1}};
   if (rank >= 2) {
@@ -267,8 +265,8 @@ void validate_claims(std::span<const Claim> claims) {
     for (const Claim* c : list) {
       require(c->dtype == first.dtype, Errc::dtype_mismatch, "key ", key, ": rank ", first.rank, " saves ",
               dtype_name(first.dtype), " but rank ", c->rank, " saves ", dtype_name(c->dtype));
-      require(c->global_shape == first.global_shape, Errc::shape_mismatch, "key ", key, ": ranks ",
-              first.rank, " and ", c->rank, " disagree on the global shape");
+      require(c->global_shape == first.global_shape, Errc::shape_mismatch, "key ", key, ": ranks ", first.rank, " and ",
+              c->rank, " disagree on the global shape");
     }
     struct Owned {
       Box box;
@@ -283,8 +281,13 @@ void validate_claims(std::span<const Claim> claims) {
       cuts.insert(b.cols.begin);
       cuts.insert(b.cols.end);
     }
-    const Claim probe{std::string(key), first.dtype, first.global_shape, std::vector<std::int64_t>(first.global_shape.size(), 0),
-                      first.global_shape, 0, true};
+    const Claim probe{std::string(key),
+                      first.dtype,
+                      first.global_shape,
+                      std::vector<std::int64_t>(first.global_shape.size(), 0),
+                      first.global_shape,
+                      0,
+                      true};
     const Box whole = footprint(probe);
     cuts.insert(whole.cols.begin);
     cuts.insert(whole.cols.end);
@@ -299,13 +302,14 @@ void validate_claims(std::span<const Claim> claims) {
                 [](const Owned* a, const Owned* b) { return a->box.rows.begin < b->box.rows.begin; });
       std::int64_t cursor = 0;
       const Owned* prev = nullptr;
-      const std::string where = whole.cols == band ? std::string() : cat(" (elements [", band.begin, ", ", band.end, ") of each row)");
+      const std::string where =
+          whole.cols == band ? std::string() : cat(" (elements [", band.begin, ", ", band.end, ") of each row)");
       for (const Owned* o : in_band) {
         if (o->box.rows.begin > cursor)
           report(cat("key ", key, ": rows [", cursor, ", ", o->box.rows.begin, ")", where, " are saved by no rank"));
         else if (o->box.rows.begin < cursor)
-          report(cat("key ", key, ": rows [", o->box.rows.begin, ", ", std::min(cursor, o->box.rows.end), ")",
-                     where, " are saved by both rank ", prev->rank, " and rank ", o->rank));
+          report(cat("key ", key, ": rows [", o->box.rows.begin, ", ", std::min(cursor, o->box.rows.end), ")", where,
+                     " are saved by both rank ", prev->rank, " and rank ", o->rank));
         if (o->box.rows.end > cursor) {
           cursor = o->box.rows.end;
           prev = o;

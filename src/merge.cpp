@@ -32,9 +32,10 @@ std::string where(const ShardedParam& p) {
 std::vector<std::int64_t> count_of(const Extents& shape) { return shape.to_vector(); }
 
 // Checks that the checkpoint's dataset can serve a slab of `dtype` at `global_shape`.
-void check_dataset(const DatasetInfo& d, DType dtype, std::span<const std::int64_t> global_shape, std::string_view who) {
-  require(d.dtype == dtype, Errc::dtype_mismatch, "key ", d.key, ": the checkpoint holds ", dtype_name(d.dtype), " but ",
-          who, " asks for ", dtype_name(dtype));
+void check_dataset(const DatasetInfo& d, DType dtype, std::span<const std::int64_t> global_shape,
+                   std::string_view who) {
+  require(d.dtype == dtype, Errc::dtype_mismatch, "key ", d.key, ": the checkpoint holds ", dtype_name(d.dtype),
+          " but ", who, " asks for ", dtype_name(dtype));
   require(std::equal(d.shape.begin(), d.shape.end(), global_shape.begin(), global_shape.end()), Errc::shape_mismatch,
           "key ", d.key, ": the checkpoint holds global shape ", dims_text(d.shape), " but ", who, " expects ",
           dims_text(global_shape));
@@ -80,7 +81,8 @@ void load_shards(const Source& src, const StateDict& request, Tree& tree) {
     if (plan.padding_only) {
       if (src.local) {
         const DatasetInfo& d = src.reader.dataset(p.spec.key);
-        require(d.placeholder, Errc::shape_mismatch, where(p), ": the local checkpoint holds no placeholder under its key");
+        require(d.placeholder, Errc::shape_mismatch, where(p),
+                ": the local checkpoint holds no placeholder under its key");
         check_dataset(d, p.dtype, shape.with_rows(0).dims(), where(p));
       }
       tree.emplace(p.spec.key, HostBuffer::zeros(p.dtype, shape.with_rows(0)));
@@ -131,7 +133,8 @@ LoadedState load_with(const fs::path& path, const StateDict& request, LoadOption
 
 ShardedTensor ShardedTensor::of(std::string key, TensorView data, std::vector<std::int64_t> global_shape,
                                 std::vector<std::int64_t> global_offset, int replica_id) {
-  return {std::move(key), data.dtype(), data.shape(), std::move(global_shape), std::move(global_offset), replica_id, data};
+  return {std::move(key),           data.dtype(), data.shape(), std::move(global_shape),
+          std::move(global_offset), replica_id,   data};
 }
 
 ShardedTensor ShardedTensor::expect(std::string key, DType dtype, Extents shape, std::vector<std::int64_t> global_shape,
@@ -180,7 +183,8 @@ SavePlan prepare_save(const StateDict& state) {
   for (const ShardedTensor& t : state.tensors()) {
     require(t.data.dtype() == t.dtype && t.data.shape() == t.shape, Errc::shape_mismatch, "tensor ", t.key,
             ": the data does not match the declared dtype and shape");
-    out.items.push_back({t.key, t.dtype, t.global_shape, t.global_offset, count_of(t.shape), t.replica_id == 0, t.data});
+    out.items.push_back(
+        {t.key, t.dtype, t.global_shape, t.global_offset, count_of(t.shape), t.replica_id == 0, t.data});
   }
   for (const ShardedParam& p : state.params()) {
     const RankPlan plan = plan_rank(p.spec, p.gtp, p.align, p.coord);
@@ -197,7 +201,8 @@ SavePlan prepare_save(const StateDict& state) {
     }
     for (const Piece& piece : plan.pieces)
       out.items.push_back({piece.key, p.dtype, piece.global_shape, piece.global_offset, piece.count,
-                           plan.main_replica && p.replica_id == 0, p.shard.rows(piece.shard_row, piece.shard_row + piece.rows)});
+                           plan.main_replica && p.replica_id == 0,
+                           p.shard.rows(piece.shard_row, piece.shard_row + piece.rows)});
   }
   out.common = state.common();
   return out;
@@ -270,7 +275,8 @@ void save_local(const StateDict& state, const fs::path& path, IoMethod method) {
   std::vector<DatasetSpec> specs;
   for (const SaveItem& i : plan.items)
     specs.push_back({i.key, i.dtype, i.count, PiecePlacement{i.global_shape, i.global_offset}, false});
-  for (const Placeholder& p : plan.placeholders) specs.push_back({p.key, p.dtype, p.shape.to_vector(), std::nullopt, true});
+  for (const Placeholder& p : plan.placeholders)
+    specs.push_back({p.key, p.dtype, p.shape.to_vector(), std::nullopt, true});
   const fs::path partial = partial_path(path);
   try {
     const std::vector<DatasetInfo> infos =

@@ -27,7 +27,8 @@ template <class Fn>
 void for_each_row(const RankPlan& plan, Fn&& fn) {
   for (const Piece& p : plan.pieces) {
     const std::int64_t row_elems = product(std::span(p.global_shape).subspan(1));
-    const std::int64_t col0 = p.global_shape.size() > 1 ? p.global_offset[1] * product(std::span(p.global_shape).subspan(2)) : 0;
+    const std::int64_t col0 =
+        p.global_shape.size() > 1 ? p.global_offset[1] * product(std::span(p.global_shape).subspan(2)) : 0;
     for (std::int64_t r = 0; r < p.rows; ++r)
       fn(p, r, static_cast<std::uint64_t>((p.global_offset[0] + r) * row_elems + col0), plan.row_elems);
   }
@@ -37,15 +38,18 @@ void fill_row(MutTensorView row, std::string_view key, std::uint64_t first) {
   const std::int64_t n = row.shape().elements();
   if (row.dtype() == DType::f32) {
     auto out = row.as<float>();
-    for (std::int64_t i = 0; i < n; ++i) out[static_cast<std::size_t>(i)] = pattern(key, first + static_cast<std::uint64_t>(i));
+    for (std::int64_t i = 0; i < n; ++i)
+      out[static_cast<std::size_t>(i)] = pattern(key, first + static_cast<std::uint64_t>(i));
   } else {
     auto out = row.as<bf16>();
-    for (std::int64_t i = 0; i < n; ++i) out[static_cast<std::size_t>(i)] = to_bf16(pattern(key, first + static_cast<std::uint64_t>(i)));
+    for (std::int64_t i = 0; i < n; ++i)
+      out[static_cast<std::size_t>(i)] = to_bf16(pattern(key, first + static_cast<std::uint64_t>(i)));
   }
 }
 
 float element(TensorView v, std::int64_t i) {
-  return v.dtype() == DType::f32 ? v.as<float>()[static_cast<std::size_t>(i)] : to_f32(v.as<bf16>()[static_cast<std::size_t>(i)]);
+  return v.dtype() == DType::f32 ? v.as<float>()[static_cast<std::size_t>(i)]
+                                 : to_f32(v.as<bf16>()[static_cast<std::size_t>(i)]);
 }
 
 float expected(DType dtype, std::string_view key, std::uint64_t index) {
@@ -54,9 +58,15 @@ float expected(DType dtype, std::string_view key, std::uint64_t index) {
 }
 
 std::string config_json(const ModelConfig& c) {
-  return nlohmann::json{{"gdp_layers", c.gdp_layers}, {"mamba_layers", c.mamba_layers}, {"heads", c.dims.heads},
-                        {"head_dim", c.dims.head_dim}, {"groups", c.dims.groups}, {"state", c.dims.state},
-                        {"householder", c.dims.householder}, {"cols", c.cols}, {"conv_kernel", c.conv_kernel},
+  return nlohmann::json{{"gdp_layers", c.gdp_layers},
+                        {"mamba_layers", c.mamba_layers},
+                        {"heads", c.dims.heads},
+                        {"head_dim", c.dims.head_dim},
+                        {"groups", c.dims.groups},
+                        {"state", c.dims.state},
+                        {"householder", c.dims.householder},
+                        {"cols", c.cols},
+                        {"conv_kernel", c.conv_kernel},
                         {"dtype", dtype_name(c.dtype)}}
       .dump();
 }
@@ -70,7 +80,8 @@ ShardedParam param_entry(const ParamSpec& spec, const ModelConfig& config, const
 }  // namespace
 
 RankCoord coord_of(const Layout& layout, int rank) {
-  require(layout.tp >= 1 && layout.gtp >= 1 && layout.dp >= 1, Errc::invalid_argument, "TP, GTP and DP must be at least 1");
+  require(layout.tp >= 1 && layout.gtp >= 1 && layout.dp >= 1, Errc::invalid_argument,
+          "TP, GTP and DP must be at least 1");
   require(rank >= 0 && rank < layout.ranks(), Errc::invalid_argument, "rank ", rank, " is outside a layout of ",
           layout.ranks(), " ranks");
   return {rank / (layout.tp * layout.gtp), (rank / layout.gtp) % layout.tp, rank % layout.gtp};
@@ -100,11 +111,17 @@ std::vector<ParamSpec> params(const ModelConfig& c, int tp) {
   for (int layer = 0; layer < c.gdp_layers + c.mamba_layers; ++layer) {
     const bool gdp = layer < c.gdp_layers;
     out.push_back({layer_key(layer, "mixer.in_proj.weight"),
-                   gdp ? gdp_in_proj_sections(c.dims, tp) : mamba_in_proj_sections(c.dims, tp), {c.cols}, TpAxis::rows, tp});
+                   gdp ? gdp_in_proj_sections(c.dims, tp) : mamba_in_proj_sections(c.dims, tp),
+                   {c.cols},
+                   TpAxis::rows,
+                   tp});
     out.push_back({layer_key(layer, "mixer.conv1d.weight"),
-                   gdp ? gdp_conv1d_sections(c.dims, tp) : mamba_conv1d_sections(c.dims, tp), {1, c.conv_kernel},
-                   TpAxis::rows, tp});
-    out.push_back({layer_key(layer, "mixer.out_proj.weight"), plain_sections(c.cols), {d_inner / tp}, TpAxis::cols, tp});
+                   gdp ? gdp_conv1d_sections(c.dims, tp) : mamba_conv1d_sections(c.dims, tp),
+                   {1, c.conv_kernel},
+                   TpAxis::rows,
+                   tp});
+    out.push_back(
+        {layer_key(layer, "mixer.out_proj.weight"), plain_sections(c.cols), {d_inner / tp}, TpAxis::cols, tp});
     out.push_back({layer_key(layer, "norm.weight"), plain_sections(c.cols), {}, TpAxis::replicated, tp});
   }
   return out;
@@ -161,7 +178,8 @@ Verification verify(const ModelConfig& config, const Layout& layout, int rank, c
       for (std::int64_t i = 0; i < n; ++i, ++v.values) {
         const float want_value = expected(config.dtype, p.key, first + static_cast<std::uint64_t>(i));
         if (element(row, i) != want_value)
-          mismatch(cat(p.key, " shard row ", p.shard_row + r, " element ", i, ": ", element(row, i), " != ", want_value));
+          mismatch(
+              cat(p.key, " shard row ", p.shard_row + r, " element ", i, ": ", element(row, i), " != ", want_value));
       }
     });
     const TensorView pad = rows.rows(plan.real_rows, want.rows());
@@ -193,8 +211,9 @@ std::int64_t gather_save(const ModelConfig& config, const Layout& layout, const 
     records.push_back(record_of(spec));
   }
   const std::filesystem::path partial = partial_path(path);
-  const std::vector<DatasetInfo> infos =
-      create_skeleton(partial, datasets, {CheckpointKind::global, records, {{"iteration", iteration}, {"model_config", config_json(config)}}});
+  const std::vector<DatasetInfo> infos = create_skeleton(
+      partial, datasets,
+      {CheckpointKind::global, records, {{"iteration", iteration}, {"model_config", config_json(config)}}});
   PieceWriter writer(partial, IoMethod::direct);
   std::int64_t peak = 0;
   std::size_t info = 0;

@@ -1,6 +1,6 @@
 module;
-#include <hdf5.h>
 #include <fcntl.h>
+#include <hdf5.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -156,18 +156,30 @@ Hid h5_type(DType t) {
     return h;
   };
   switch (t) {
-    case DType::bf16: return half(7, 8, 127);
-    case DType::f16: return half(10, 5, 15);
-    case DType::f32: return copy(H5T_IEEE_F32LE);
-    case DType::f64: return copy(H5T_IEEE_F64LE);
-    case DType::i8: return copy(H5T_STD_I8LE);
-    case DType::i16: return copy(H5T_STD_I16LE);
-    case DType::i32: return copy(H5T_STD_I32LE);
-    case DType::i64: return copy(H5T_STD_I64LE);
-    case DType::u8: return copy(H5T_STD_U8LE);
-    case DType::u16: return copy(H5T_STD_U16LE);
-    case DType::u32: return copy(H5T_STD_U32LE);
-    case DType::u64: return copy(H5T_STD_U64LE);
+    case DType::bf16:
+      return half(7, 8, 127);
+    case DType::f16:
+      return half(10, 5, 15);
+    case DType::f32:
+      return copy(H5T_IEEE_F32LE);
+    case DType::f64:
+      return copy(H5T_IEEE_F64LE);
+    case DType::i8:
+      return copy(H5T_STD_I8LE);
+    case DType::i16:
+      return copy(H5T_STD_I16LE);
+    case DType::i32:
+      return copy(H5T_STD_I32LE);
+    case DType::i64:
+      return copy(H5T_STD_I64LE);
+    case DType::u8:
+      return copy(H5T_STD_U8LE);
+    case DType::u16:
+      return copy(H5T_STD_U16LE);
+    case DType::u32:
+      return copy(H5T_STD_U32LE);
+    case DType::u64:
+      return copy(H5T_STD_U64LE);
   }
   throw Error(Errc::invalid_argument, "unknown dtype");
 }
@@ -188,14 +200,20 @@ std::optional<DType> dtype_of_h5(hid_t t) {
     case H5T_INTEGER: {
       const bool is_signed = H5Tget_sign(t) == H5T_SGN_2;
       switch (size) {
-        case 1: return is_signed ? DType::i8 : DType::u8;
-        case 2: return is_signed ? DType::i16 : DType::u16;
-        case 4: return is_signed ? DType::i32 : DType::u32;
-        case 8: return is_signed ? DType::i64 : DType::u64;
-        default: return std::nullopt;
+        case 1:
+          return is_signed ? DType::i8 : DType::u8;
+        case 2:
+          return is_signed ? DType::i16 : DType::u16;
+        case 4:
+          return is_signed ? DType::i32 : DType::u32;
+        case 8:
+          return is_signed ? DType::i64 : DType::u64;
+        default:
+          return std::nullopt;
       }
     }
-    default: return std::nullopt;
+    default:
+      return std::nullopt;
   }
 }
 
@@ -286,9 +304,11 @@ CommonValue read_attr(hid_t obj, const char* name, const Where& w) {
       v.resize(std::strlen(v.c_str()));
       return v;
     }
-    default: break;
+    default:
+      break;
   }
-  throw Error(Errc::not_a_checkpoint, cat("attribute ", name, " of ", w.file.string(), " has a type shardckpt does not read"));
+  throw Error(Errc::not_a_checkpoint,
+              cat("attribute ", name, " of ", w.file.string(), " has a type shardckpt does not read"));
 }
 
 std::vector<std::int64_t> read_i64s(hid_t obj, const char* name, const Where& w) {
@@ -314,9 +334,12 @@ json params_json(const std::vector<ParamRecord>& params) {
 std::vector<ParamRecord> params_from_json(const json& in) {
   std::vector<ParamRecord> out;
   for (const json& p : in) {
-    ParamRecord r{p.at("key").get<std::string>(), parse_tp_axis(p.at("tp_axis").get<std::string>()), {},
+    ParamRecord r{p.at("key").get<std::string>(),
+                  parse_tp_axis(p.at("tp_axis").get<std::string>()),
+                  {},
                   p.at("trailing").get<std::vector<std::int64_t>>()};
-    for (const json& b : p.at("blocks")) r.blocks.push_back({b.at("name").get<std::string>(), b.at("rows").get<std::int64_t>()});
+    for (const json& b : p.at("blocks"))
+      r.blocks.push_back({b.at("name").get<std::string>(), b.at("rows").get<std::int64_t>()});
     out.push_back(std::move(r));
   }
   return out;
@@ -324,7 +347,8 @@ std::vector<ParamRecord> params_from_json(const json& in) {
 
 void require_key(std::string_view key) {
   require(!key.empty() && key.find('/') == std::string_view::npos && key != "." && key[0] != '_',
-          Errc::invalid_argument, "key '", key, "' cannot name a dataset: it must be non-empty, contain no '/' and not start with '_'");
+          Errc::invalid_argument, "key '", key,
+          "' cannot name a dataset: it must be non-empty, contain no '/' and not start with '_'");
 }
 
 // Slab geometry in bytes for the direct path: `rows` runs of `run` bytes, `stride` apart from `first`.
@@ -348,7 +372,8 @@ Box check_slab(const DatasetInfo& d, std::span<const std::int64_t> offset, std::
                DType dtype, std::size_t bytes) {
   require(dtype == d.dtype, Errc::dtype_mismatch, "key ", d.key, ": the dataset holds ", dtype_name(d.dtype),
           " but the tensor is ", dtype_name(dtype));
-  const Box box = footprint(Claim{d.key, d.dtype, d.shape, {offset.begin(), offset.end()}, {count.begin(), count.end()}, 0, true});
+  const Box box =
+      footprint(Claim{d.key, d.dtype, d.shape, {offset.begin(), offset.end()}, {count.begin(), count.end()}, 0, true});
   const std::size_t n = static_cast<std::size_t>(box.rows.size() * box.cols.size()) * dtype_size(d.dtype);
   require(n == bytes, Errc::shape_mismatch, "key ", d.key, ": a slab of ", n, " bytes does not match a tensor of ",
           bytes, " bytes");
@@ -363,7 +388,8 @@ void transfer_all(Transfer transfer, int fd, Ptr p, std::size_t n, std::uint64_t
     const ssize_t done = transfer(fd, p, std::min<std::size_t>(n, std::size_t{1} << 30), static_cast<off_t>(off));
     if (done < 0 && errno == EINTR) continue;
     if (done < 0) fail_os(what, file);
-    if (done == 0) throw Error(Errc::not_a_checkpoint, cat("could not ", what, " ", file.string(), ": the file ends at byte ", off));
+    if (done == 0)
+      throw Error(Errc::not_a_checkpoint, cat("could not ", what, " ", file.string(), ": the file ends at byte ", off));
     p += done;
     n -= static_cast<std::size_t>(done);
     off += static_cast<std::uint64_t>(done);
@@ -374,12 +400,14 @@ void transfer_all(Transfer transfer, int fd, Ptr p, std::size_t n, std::uint64_t
 // are whole dataset rows, else one per row.
 template <class Transfer, class Ptr>
 void transfer_slab(Transfer transfer, int fd, Ptr p, const ByteSlab& s, const fs::path& file, std::string_view what) {
-  if (s.run == s.stride) return transfer_all(transfer, fd, p, s.run * static_cast<std::size_t>(s.rows), s.first, file, what);
+  if (s.run == s.stride)
+    return transfer_all(transfer, fd, p, s.run * static_cast<std::size_t>(s.rows), s.first, file, what);
   for (std::int64_t r = 0; r < s.rows; ++r, p += s.run)
     transfer_all(transfer, fd, p, s.run, s.first + static_cast<std::uint64_t>(r) * s.stride, file, what);
 }
 
-void select_slab(hid_t space, std::span<const std::int64_t> offset, std::span<const std::int64_t> count, const Where& w) {
+void select_slab(hid_t space, std::span<const std::int64_t> offset, std::span<const std::int64_t> count,
+                 const Where& w) {
   const auto start = to_hsize(offset), extent = to_hsize(count);
   check(H5Sselect_hyperslab(space, H5S_SELECT_SET, start.data(), nullptr, extent.data(), nullptr), w);
 }
@@ -434,8 +462,9 @@ std::vector<DatasetInfo> create_skeleton(const fs::path& path, std::span<const D
     const auto dims = to_hsize(d.shape);
     Hid space = owned(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), H5Sclose, dw);
     Hid type = h5_type(d.dtype);
-    Hid set = owned(H5Dcreate2(file.get(), d.key.c_str(), type.get(), space.get(), H5P_DEFAULT, dcpl.get(), H5P_DEFAULT),
-                    H5Dclose, dw);
+    Hid set =
+        owned(H5Dcreate2(file.get(), d.key.c_str(), type.get(), space.get(), H5P_DEFAULT, dcpl.get(), H5P_DEFAULT),
+              H5Dclose, dw);
     if (d.placement) {
       write_attr(set.get(), "global_shape", std::span<const std::int64_t>(d.placement->global_shape), dw);
       write_attr(set.get(), "global_offset", std::span<const std::int64_t>(d.placement->global_offset), dw);
@@ -452,8 +481,8 @@ std::vector<DatasetInfo> create_skeleton(const fs::path& path, std::span<const D
 struct PieceWriter::Impl {
   fs::path path;
   IoMethod method;
-  Fd fd;                             // direct path
-  Hid file;                          // hyperslab path
+  Fd fd;     // direct path
+  Hid file;  // hyperslab path
   std::map<std::string, Hid, std::less<>> sets;
 };
 
@@ -475,13 +504,15 @@ void PieceWriter::write(const DatasetInfo& d, std::span<const std::int64_t> offs
   if (src.empty()) return;
   Impl& m = *impl_;
   if (m.method == IoMethod::direct) {
-    require(d.address.has_value(), Errc::invalid_argument, "key ", d.key, ": the direct path needs a contiguous dataset");
+    require(d.address.has_value(), Errc::invalid_argument, "key ", d.key,
+            ": the direct path needs a contiguous dataset");
     transfer_slab(::pwrite, m.fd.get(), src.data(), byte_slab(d, box), m.path, "write");
     return;
   }
   const Where w{m.path, d.key, "write a piece"};
   auto it = m.sets.find(d.key);
-  if (it == m.sets.end()) it = m.sets.emplace(d.key, owned(H5Dopen2(m.file.get(), d.key.c_str(), H5P_DEFAULT), H5Dclose, w)).first;
+  if (it == m.sets.end())
+    it = m.sets.emplace(d.key, owned(H5Dopen2(m.file.get(), d.key.c_str(), H5P_DEFAULT), H5Dclose, w)).first;
   Hid fspace = owned(H5Dget_space(it->second.get()), H5Sclose, w);
   select_slab(fspace.get(), offset, count, w);
   const hsize_t n = static_cast<hsize_t>(elements(count));
@@ -556,11 +587,13 @@ CheckpointReader::CheckpointReader(const fs::path& path) : impl_(std::make_uniqu
   Hid meta = owned(H5Gopen2(m.file.get(), meta_group, H5P_DEFAULT), H5Gclose, w);
   for (const char* name : {"format", "format_version", "kind", "params"})
     if (!has_attr(meta.get(), name, w)) refuse(cat("/_shardckpt has no attribute ", name));
-  if (read_attr(meta.get(), "format", w) != CommonValue(std::string("shardckpt"))) refuse("/_shardckpt names another format");
+  if (read_attr(meta.get(), "format", w) != CommonValue(std::string("shardckpt")))
+    refuse("/_shardckpt names another format");
   const CommonValue version_attr = read_attr(meta.get(), "format_version", w);
   if (!std::holds_alternative<std::int64_t>(version_attr)) refuse("its format version is not an integer");
   const auto version = std::get<std::int64_t>(version_attr);
-  if (version > format_version) refuse(cat("format version ", version, " is newer than this library's ", format_version));
+  if (version > format_version)
+    refuse(cat("format version ", version, " is newer than this library's ", format_version));
   if (!has_attr(meta.get(), "complete", w)) refuse("the save that wrote it did not finish");
   const CommonValue kind = read_attr(meta.get(), "kind", w);
   if (kind != CommonValue(std::string("global")) && kind != CommonValue(std::string("local"))) refuse("unknown kind");
@@ -583,15 +616,16 @@ CheckpointReader::CheckpointReader(const fs::path& path) : impl_(std::make_uniqu
   }
   // Every dataset at the root, with its dtype, shape and (when the direct path may use it) address.
   std::vector<std::string> names;
-  check(H5Literate(m.file.get(), H5_INDEX_NAME, H5_ITER_INC, nullptr,
-                   [](hid_t, const char* name, const H5L_info_t*, void* data) -> herr_t {
-                     static_cast<std::vector<std::string>*>(data)->push_back(name);
-                     return 0;
-                   },
-                   &names),
+  check(H5Literate(
+            m.file.get(), H5_INDEX_NAME, H5_ITER_INC, nullptr,
+            [](hid_t, const char* name, const H5L_info_t*, void* data) -> herr_t {
+              static_cast<std::vector<std::string>*>(data)->push_back(name);
+              return 0;
+            },
+            &names),
         w);
   m.fd = open_fd(path, O_RDONLY);
-  struct stat st {};
+  struct stat st{};
   if (::fstat(m.fd.get(), &st) != 0) fail_os("inspect", path);
   for (const std::string& name : names) {
     if (name == meta_group) continue;
@@ -619,7 +653,8 @@ CheckpointReader::CheckpointReader(const fs::path& path) : impl_(std::make_uniqu
       info.address = addr;
     }
     if (has_attr(set.get(), "global_offset", dw))
-      info.placement = PiecePlacement{read_i64s(set.get(), "global_shape", dw), read_i64s(set.get(), "global_offset", dw)};
+      info.placement =
+          PiecePlacement{read_i64s(set.get(), "global_shape", dw), read_i64s(set.get(), "global_offset", dw)};
     info.placeholder = has_attr(set.get(), "placeholder", dw);
     m.index.emplace(name, m.datasets.size());
     m.datasets.push_back(std::move(info));
@@ -640,8 +675,8 @@ const DatasetInfo& CheckpointReader::dataset(std::string_view key) const {
   return impl_->datasets[it->second];
 }
 
-void CheckpointReader::read(const DatasetInfo& d, std::span<const std::int64_t> offset, std::span<const std::int64_t> count,
-                            MutTensorView dst, IoMethod method) const {
+void CheckpointReader::read(const DatasetInfo& d, std::span<const std::int64_t> offset,
+                            std::span<const std::int64_t> count, MutTensorView dst, IoMethod method) const {
   const Box box = check_slab(d, offset, count, dst.dtype(), dst.bytes());
   if (dst.empty()) return;
   const Impl& m = *impl_;

@@ -30,10 +30,10 @@ f16 to_f16(float value) noexcept {
   const auto bits = std::bit_cast<std::uint32_t>(value);
   const std::uint32_t sign = (bits >> 16) & 0x8000;
   const std::uint32_t abs = bits & 0x7FFFFFFF;
-  if (abs > 0x7F800000) return {static_cast<std::uint16_t>(sign | 0x7E00)};  // NaN
+  if (abs > 0x7F800000) return {static_cast<std::uint16_t>(sign | 0x7E00)};   // NaN
   if (abs >= 0x477FF000) return {static_cast<std::uint16_t>(sign | 0x7C00)};  // rounds past 65504: inf
-  if (abs < 0x38800000) {  // below the smallest normal half: subnormal or zero
-    const float scaled = std::bit_cast<float>(abs) * 16777216.0f;           // 2^24: units of 2^-24
+  if (abs < 0x38800000) {                                          // below the smallest normal half: subnormal or zero
+    const float scaled = std::bit_cast<float>(abs) * 16777216.0f;  // 2^24: units of 2^-24
     return {static_cast<std::uint16_t>(sign | static_cast<std::uint32_t>(std::nearbyint(scaled)))};
   }
   // Normal: rebias the exponent, round the 13 dropped mantissa bits to nearest even.
@@ -101,8 +101,8 @@ bool materialization_forbidden() noexcept { return forbid_depth > 0; }
 
 void copy_into(TensorView from, MutTensorView to) {
   require(from.dtype() == to.dtype() && from.shape() == to.shape(), Errc::shape_mismatch,
-          "copy between views of different dtype or shape (", dtype_name(from.dtype()), ", ", from.rows(),
-          " rows -> ", dtype_name(to.dtype()), ", ", to.rows(), " rows)");
+          "copy between views of different dtype or shape (", dtype_name(from.dtype()), ", ", from.rows(), " rows -> ",
+          dtype_name(to.dtype()), ", ", to.rows(), " rows)");
   if (!from.empty()) std::memmove(to.data(), from.data(), from.bytes());
 }
 

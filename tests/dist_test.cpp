@@ -156,7 +156,8 @@ TEST(Validation, OverlapGapAndDtypeMismatchStopTheSaveBeforeAnyByteIsWritten) {
     const auto codes = outcomes(
         2,
         [&](ProcessGroup& g) {
-          HostBuffer b = HostBuffer::zeros(g.rank() == 1 ? k.dtype1 : DType::f32, {g.rank() == 1 && k.offset1 == 6 ? 2 : 4, 2});
+          HostBuffer b =
+              HostBuffer::zeros(g.rank() == 1 ? k.dtype1 : DType::f32, {g.rank() == 1 && k.offset1 == 6 ? 2 : 4, 2});
           StateDict s;
           s.add(ShardedTensor::of("t", b.view(), {8, 2}, {g.rank() == 0 ? 0 : k.offset1, 0}));
           save(s, path, g);
@@ -189,7 +190,8 @@ TEST(Failure, ARankThatDiesMidSaveLeavesTheEarlierCheckpointIntact) {
       DyingGroup dying(g, g.rank() == 2 ? die_at : -1);
       save(m.state, path, dying);
     });
-    for (int r = 0; r < l.ranks(); ++r) EXPECT_TRUE(codes[static_cast<std::size_t>(r)] || r == 2) << "rank " << r << " die_at " << die_at;
+    for (int r = 0; r < l.ranks(); ++r)
+      EXPECT_TRUE(codes[static_cast<std::size_t>(r)] || r == 2) << "rank " << r << " die_at " << die_at;
     EXPECT_EQ(file_bytes(path), earlier) << die_at;
     EXPECT_FALSE(std::filesystem::exists(partial_path(path))) << die_at;
   }

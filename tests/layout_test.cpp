@@ -20,8 +20,8 @@ std::vector<Claim> all_claims(const ParamSpec& spec, std::int64_t gtp, std::int6
     for (int g = 0; g < gtp; ++g) {
       RankPlan plan = plan_rank(spec, gtp, align, {t, g});
       for (const Piece& p : plan.pieces)
-        claims.push_back({p.key, DType::bf16, p.global_shape, p.global_offset, p.count,
-                          static_cast<int>(t * gtp + g), plan.main_replica});
+        claims.push_back({p.key, DType::bf16, p.global_shape, p.global_offset, p.count, static_cast<int>(t * gtp + g),
+                          plan.main_replica});
     }
   return claims;
 }
@@ -34,8 +34,7 @@ double value_of(const std::string& key, std::int64_t row, std::int64_t col) {
 // Simulates a save: builds each rank's padded shard from the global blocks (the TP-local weight
 // is the TP slice of every block, stacked in section order), then writes every piece into an
 // in-memory "file" at its global offset. Returns key -> row-major values; NaN marks unwritten.
-std::map<std::string, std::vector<double>> simulate_save(const ParamSpec& spec, std::int64_t gtp,
-                                                         std::int64_t align) {
+std::map<std::string, std::vector<double>> simulate_save(const ParamSpec& spec, std::int64_t gtp, std::int64_t align) {
   const std::int64_t C = spec.row_elems();
   std::map<std::string, std::vector<double>> file;
   for (const Block& b : blocks(spec)) {
@@ -49,8 +48,8 @@ std::map<std::string, std::vector<double>> simulate_save(const ParamSpec& spec, 
     for (const Block& b : blocks(spec))
       for (std::int64_t r = b.local_rows.begin; r < b.local_rows.end; ++r)
         for (std::int64_t c = 0; c < C; ++c) {
-          const std::int64_t grow = spec.tp_axis == TpAxis::rows ? t * b.local_rows.size() + r - b.local_rows.begin
-                                                                 : r - b.local_rows.begin;
+          const std::int64_t grow =
+              spec.tp_axis == TpAxis::rows ? t * b.local_rows.size() + r - b.local_rows.begin : r - b.local_rows.begin;
           const std::int64_t gcol = spec.tp_axis == TpAxis::cols ? t * C + c : c;
           local[static_cast<std::size_t>(r * C + c)] = value_of(b.key, grow, gcol);
         }
@@ -159,8 +158,11 @@ TEST(FusedLayouts, HeadsThatDoNotDivideByTpAreRejected) {
 }
 
 TEST(Plan, BlocksHaveThePlainTpKeysAndGlobalShapes) {
-  ParamSpec spec{"in_proj.weight", mamba_in_proj_sections({.heads = 4, .head_dim = 2, .groups = 2, .state = 3}, 2), {5},
-                 TpAxis::rows, 2};
+  ParamSpec spec{"in_proj.weight",
+                 mamba_in_proj_sections({.heads = 4, .head_dim = 2, .groups = 2, .state = 3}, 2),
+                 {5},
+                 TpAxis::rows,
+                 2};
   const auto b = blocks(spec);
   ASSERT_EQ(b.size(), 5u);
   EXPECT_EQ(b[0].key, "in_proj.weight.z");
@@ -176,8 +178,11 @@ TEST(Plan, BlocksHaveThePlainTpKeysAndGlobalShapes) {
 
 // The spec's reference case: TP 2, GTP 2, A 16, GDP (dI, gS, nH, H) = (10, 3, 2, 3).
 TEST(Plan, ReferenceCaseGtpBoundaryCutsV2AndMatchesPlainTp) {
-  ParamSpec spec{"in_proj.weight", gdp_in_proj_sections({.heads = 4, .head_dim = 5, .groups = 2, .state = 3, .householder = 3}, 2),
-                 {4}, TpAxis::rows, 2};
+  ParamSpec spec{"in_proj.weight",
+                 gdp_in_proj_sections({.heads = 4, .head_dim = 5, .groups = 2, .state = 3, .householder = 3}, 2),
+                 {4},
+                 TpAxis::rows,
+                 2};
   ASSERT_EQ(spec.rows(), 60);
   const RankPlan r0 = plan_rank(spec, 2, 16, {0, 0});
   EXPECT_EQ(r0.geometry.shard_rows(), 32);
@@ -285,7 +290,8 @@ TEST(Validation, ColumnGapIsFoundInItsBand) {
     FAIL();
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("rows [2, 4) (elements [3, 6) of each row) are saved by no rank"),
-              std::string::npos) << e.what();
+              std::string::npos)
+        << e.what();
   }
 }
 
@@ -311,7 +317,9 @@ TEST(Validation, DtypeAndShapeDisagreementAreTyped) {
 // floor(P / L) padding-only ranks.
 TEST(Property, RandomLayoutsTileEveryBlockExactlyOnce) {
   std::mt19937_64 rng(20261130);
-  auto pick = [&](std::int64_t lo, std::int64_t hi) { return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng); };
+  auto pick = [&](std::int64_t lo, std::int64_t hi) {
+    return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng);
+  };
   for (int iter = 0; iter < 400; ++iter) {
     ParamSpec spec;
     spec.key = "p" + std::to_string(iter);
@@ -319,13 +327,15 @@ TEST(Property, RandomLayoutsTileEveryBlockExactlyOnce) {
     const int kind = static_cast<int>(pick(0, 2));
     spec.tp_axis = kind == 0 ? TpAxis::rows : kind == 1 ? TpAxis::cols : TpAxis::replicated;
     const std::int64_t nsec = spec.tp_axis == TpAxis::cols ? 1 : pick(1, 7);
-    for (std::int64_t s = 0; s < nsec; ++s) spec.sections.push_back({nsec == 1 ? "" : "s" + std::to_string(s), pick(1, 40)});
+    for (std::int64_t s = 0; s < nsec; ++s)
+      spec.sections.push_back({nsec == 1 ? "" : "s" + std::to_string(s), pick(1, 40)});
     spec.trailing = {pick(1, 3)};
     if (pick(0, 1)) spec.trailing.push_back(pick(1, 2));
     const std::int64_t gtp = pick(1, 9);
     std::int64_t align = pick(0, 8);
     if (align == 0 && spec.rows() % gtp != 0) align = 1;
-    SCOPED_TRACE(::testing::Message() << "R=" << spec.rows() << " tp=" << spec.tp << " gtp=" << gtp << " align=" << align);
+    SCOPED_TRACE(::testing::Message() << "R=" << spec.rows() << " tp=" << spec.tp << " gtp=" << gtp
+                                      << " align=" << align);
     const GtpGeometry g = GtpGeometry::make(spec.rows(), gtp, align);
     EXPECT_EQ(g.shard_rows() * gtp, spec.rows() + g.pad());
     if (align > 0) EXPECT_EQ(g.shard_rows() % align, 0);

@@ -78,11 +78,13 @@ TEST(Save, MaterializesNothingAndTheGuardCatchesTheOldGather) {
   std::vector<model::RankModel> models;
   for (int r = 0; r < l.ranks(); ++r) models.push_back(model::build_rank(c, l, r));
   const auto before = materialization_count();
-  run_ranks(l.ranks(), [&](ProcessGroup& g) { save(models[static_cast<std::size_t>(g.rank())].state, dir / "a.h5", g); });
+  run_ranks(l.ranks(),
+            [&](ProcessGroup& g) { save(models[static_cast<std::size_t>(g.rank())].state, dir / "a.h5", g); });
   EXPECT_EQ(materialization_count(), before);
   // The gather-based save materializes every TP-local weight, and the guard a save holds stops it.
   const ForbidMaterialization guard;
-  EXPECT_EQ(error_of([&] { (void)model::gather_save(c, l, models, dir / "b.h5"); }).code(), Errc::materialization_forbidden);
+  EXPECT_EQ(error_of([&] { (void)model::gather_save(c, l, models, dir / "b.h5"); }).code(),
+            Errc::materialization_forbidden);
 }
 
 TEST(Save, NoPadRowReachesTheFile) {
@@ -108,7 +110,8 @@ TEST(Save, NoPadRowReachesTheFile) {
       for (auto& x : v) x = to_bf16(poison);
     }
   }
-  run_ranks(l.ranks(), [&](ProcessGroup& g) { save(models[static_cast<std::size_t>(g.rank())].state, dir / "a.h5", g); });
+  run_ranks(l.ranks(),
+            [&](ProcessGroup& g) { save(models[static_cast<std::size_t>(g.rank())].state, dir / "a.h5", g); });
   const CheckpointReader reader(dir / "a.h5");
   std::int64_t total = 0;
   for (const DatasetInfo& d : reader.datasets()) {
@@ -119,7 +122,8 @@ TEST(Save, NoPadRowReachesTheFile) {
     reader.read(d, zero, d.shape, all.mut_view(), IoMethod::direct);
     for (std::int64_t i = 0; i < n; ++i) {
       ASSERT_NE(as_f32(all, static_cast<std::size_t>(i)), to_f32(to_bf16(poison))) << d.key << " element " << i;
-      ASSERT_EQ(as_f32(all, static_cast<std::size_t>(i)), to_f32(to_bf16(model::pattern(d.key, static_cast<std::uint64_t>(i)))));
+      ASSERT_EQ(as_f32(all, static_cast<std::size_t>(i)),
+                to_f32(to_bf16(model::pattern(d.key, static_cast<std::uint64_t>(i)))));
     }
     total += n;
   }
@@ -200,7 +204,8 @@ class SeedScale : public ::testing::Test {
  protected:
   static constexpr int G = 64;
   const ParamSpec fused{"mixer.in_proj.weight", {{"x", 40'000}, {"B", 21'760}}, {2}, TpAxis::rows, 1};
-  const ParamSpec split{"mixer.out_proj.weight", plain_sections(256), {2}, TpAxis::rows, 1};  // an ordinary split factory
+  const ParamSpec split{
+      "mixer.out_proj.weight", plain_sections(256), {2}, TpAxis::rows, 1};  // an ordinary split factory
 
   static float value(std::int64_t row, std::int64_t col) { return static_cast<float>(row * 2 + col + 1); }
 
@@ -246,7 +251,8 @@ class SeedScale : public ::testing::Test {
     const std::int64_t real = GtpGeometry::make(61'760, G, 32).real_count(g);
     for (std::int64_t r = 0; r < 992; ++r)
       for (int c = 0; c < 2; ++c)
-        ASSERT_EQ(v[static_cast<std::size_t>(r * 2 + c)], r < real ? value(g * 992 + r, c) : 0.0f) << "rank " << g << " row " << r;
+        ASSERT_EQ(v[static_cast<std::size_t>(r * 2 + c)], r < real ? value(g * 992 + r, c) : 0.0f)
+            << "rank " << g << " row " << r;
     const auto sv = s.tensor(split.key).view().as<float>();
     ASSERT_EQ(sv.size(), 8u);
     for (int r = 0; r < 4; ++r) EXPECT_EQ(sv[static_cast<std::size_t>(r * 2)], value(g * 4 + r, 0));
@@ -313,7 +319,8 @@ TEST(Errors, BadRequestsAreTypedAndChangeNothing) {
   const ParamSpec in_proj = model::params(c, 1)[0];
 
   StateDict missing;
-  missing.add(ShardedParam{ParamSpec{"nope.weight", plain_sections(8), {24}, TpAxis::rows, 1}, 2, 8, {0, 0}, DType::bf16, 0, {}});
+  missing.add(ShardedParam{
+      ParamSpec{"nope.weight", plain_sections(8), {24}, TpAxis::rows, 1}, 2, 8, {0, 0}, DType::bf16, 0, {}});
   Error e = error_of([&] { (void)load(dir / "a.h5", missing); });
   EXPECT_EQ(e.code(), Errc::missing_key);
   EXPECT_NE(std::string(e.what()).find("nope.weight"), std::string::npos) << e.what();
@@ -355,6 +362,9 @@ TEST(StateDicts, KeysAreUniqueAcrossKinds) {
   StateDict s;
   s.add_common("k", std::int64_t{1});
   EXPECT_EQ(error_of([&] { s.add_local("k", std::int64_t{2}); }).code(), Errc::invalid_argument);
-  EXPECT_EQ(error_of([&] { s.add(ShardedParam{ParamSpec{"p", plain_sections(4), {}, TpAxis::rows, 1}, 2, 0, {0, 2}, DType::f32, 0, {}}); }).code(),
-            Errc::invalid_argument);  // GTP rank 2 of a group of 2
+  EXPECT_EQ(
+      error_of([&] {
+        s.add(ShardedParam{ParamSpec{"p", plain_sections(4), {}, TpAxis::rows, 1}, 2, 0, {0, 2}, DType::f32, 0, {}});
+      }).code(),
+      Errc::invalid_argument);  // GTP rank 2 of a group of 2
 }

@@ -46,7 +46,8 @@ model::ModelConfig small_model() {
 
 std::int64_t global_mismatches(const model::ModelConfig& c, const model::Layout& l, const std::filesystem::path& file) {
   MpiGroup group(MPI_COMM_WORLD);
-  const model::Verification v = model::verify(c, l, group.rank(), load(file, model::request(c, l, group.rank()), group));
+  const model::Verification v =
+      model::verify(c, l, group.rank(), load(file, model::request(c, l, group.rank()), group));
   EXPECT_EQ(v.mismatches, 0) << v.first_mismatch;
   std::int64_t total = 0;
   MPI_Allreduce(&v.mismatches, &total, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);

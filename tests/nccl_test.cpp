@@ -32,7 +32,8 @@ TEST(Nccl, CollectivesAndASaveOverNccl) {
     group.barrier();
     model::RankModel m = model::build_rank(c, l, group.rank());
     save(m.state, dir / "nccl.h5", group);
-    const model::Verification v = model::verify(c, l, group.rank(), load(dir / "nccl.h5", model::request(c, l, group.rank()), group));
+    const model::Verification v =
+        model::verify(c, l, group.rank(), load(dir / "nccl.h5", model::request(c, l, group.rank()), group));
     EXPECT_EQ(v.mismatches, 0) << v.first_mismatch;
   });
 }

@@ -23,7 +23,8 @@ std::vector<DatasetSpec> two_datasets() {
 
 // Writes every element of both datasets in pieces that split rows and (for w.out) dim 1.
 void write_all(const std::filesystem::path& file, IoMethod method) {
-  const auto infos = create_skeleton(file, two_datasets(), {CheckpointKind::global, {}, {{"iteration", std::int64_t{7}}}});
+  const auto infos =
+      create_skeleton(file, two_datasets(), {CheckpointKind::global, {}, {{"iteration", std::int64_t{7}}}});
   HostBuffer z = HostBuffer::zeros(DType::bf16, {6, 4});
   auto zv = z.mut_view().as<bf16>();
   for (std::size_t i = 0; i < zv.size(); ++i) zv[i] = to_bf16(static_cast<float>(i) + 0.5f);
@@ -101,8 +102,9 @@ TEST(Storage, H5pyReadsBf16AsFloat32) {
   if (std::system("/usr/bin/python3 -c 'import h5py' 2> /dev/null") != 0) GTEST_SKIP() << "h5py is not installed";
   ScratchDir dir;
   write_all(dir / "c.h5", IoMethod::direct);
-  const std::string script = "import h5py,sys; d=h5py.File(sys.argv[1])['w.z']; "
-                             "sys.exit(0 if d.dtype.name=='float32' and d[1,0]==4.5 and d[5,3]==23.5 else 1)";
+  const std::string script =
+      "import h5py,sys; d=h5py.File(sys.argv[1])['w.z']; "
+      "sys.exit(0 if d.dtype.name=='float32' and d[1,0]==4.5 and d[5,3]==23.5 else 1)";
   EXPECT_EQ(std::system(("/usr/bin/python3 -c \"" + script + "\" " + (dir / "c.h5").string()).c_str()), 0);
 }
 
@@ -141,7 +143,8 @@ TEST(Storage, FilesThatAreNotCompleteCheckpointsAreRefused) {
   }
   if (std::system("/usr/bin/python3 -c 'import h5py' 2> /dev/null") == 0) {
     const std::string foreign = (dir / "foreign.h5").string();
-    ASSERT_EQ(std::system(("/usr/bin/python3 -c \"import h5py; h5py.File('" + foreign + "','w')['x']=[1,2]\"").c_str()), 0);
+    ASSERT_EQ(std::system(("/usr/bin/python3 -c \"import h5py; h5py.File('" + foreign + "','w')['x']=[1,2]\"").c_str()),
+              0);
     EXPECT_EQ(error_code_of([&] { CheckpointReader r(foreign); }), Errc::not_a_checkpoint);
   }
 }
@@ -167,7 +170,8 @@ TEST(Storage, CommitReplacesAtomicallyAndDiscardCleansUp) {
 
 TEST(Storage, Hdf5ErrorsNameTheFileAndKey) {
   ScratchDir dir;
-  const std::vector<DatasetSpec> dup{{"k", DType::f32, {2}, std::nullopt, false}, {"k", DType::f32, {2}, std::nullopt, false}};
+  const std::vector<DatasetSpec> dup{{"k", DType::f32, {2}, std::nullopt, false},
+                                     {"k", DType::f32, {2}, std::nullopt, false}};
   try {
     (void)create_skeleton(dir / "d.h5", dup, {});
     FAIL();
@@ -177,16 +181,23 @@ TEST(Storage, Hdf5ErrorsNameTheFileAndKey) {
     EXPECT_NE(what.find("of key k in "), std::string::npos) << what;
     EXPECT_NE(what.find("d.h5"), std::string::npos) << what;
   }
-  EXPECT_EQ(error_code_of([&] { (void)create_skeleton(dir / "bad.h5", std::vector<DatasetSpec>{{"a/b", DType::f32, {2}, std::nullopt, false}}, {}); }),
+  EXPECT_EQ(error_code_of([&] {
+              (void)create_skeleton(dir / "bad.h5",
+                                    std::vector<DatasetSpec>{{"a/b", DType::f32, {2}, std::nullopt, false}}, {});
+            }),
             Errc::invalid_argument);
 }
 
 TEST(Storage, ParamRecordsRoundTripAndPlanAtAnyTp) {
   ScratchDir dir;
-  const ParamSpec spec{"in_proj.weight", gdp_in_proj_sections({.heads = 4, .head_dim = 5, .groups = 2, .state = 3, .householder = 3}, 2),
-                       {4}, TpAxis::rows, 2};
+  const ParamSpec spec{"in_proj.weight",
+                       gdp_in_proj_sections({.heads = 4, .head_dim = 5, .groups = 2, .state = 3, .householder = 3}, 2),
+                       {4},
+                       TpAxis::rows,
+                       2};
   const ParamRecord rec = record_of(spec);
-  (void)create_skeleton(dir / "p.h5", two_datasets(), {CheckpointKind::global, {rec}, {{"name", std::string("demo")}, {"lr", 0.5}}});
+  (void)create_skeleton(dir / "p.h5", two_datasets(),
+                        {CheckpointKind::global, {rec}, {{"name", std::string("demo")}, {"lr", 0.5}}});
   mark_complete(dir / "p.h5");
   const CheckpointReader r(dir / "p.h5");
   ASSERT_EQ(r.contents().params.size(), 1u);
@@ -202,8 +213,10 @@ TEST(Storage, LargeParameterRecordsAndCommonValuesFit) {
   ScratchDir dir;
   std::vector<ParamRecord> records;
   for (int i = 0; i < 3000; ++i)
-    records.push_back({"decoder.layers." + std::to_string(i) + ".mixer.in_proj.weight", TpAxis::rows,
-                       {{"z", 64}, {"x", 64}, {"B", 32}, {"C", 32}, {"dt", 8}}, {4096}});
+    records.push_back({"decoder.layers." + std::to_string(i) + ".mixer.in_proj.weight",
+                       TpAxis::rows,
+                       {{"z", 64}, {"x", 64}, {"B", 32}, {"C", 32}, {"dt", 8}},
+                       {4096}});
   const std::string config(200'000, 'c');
   (void)create_skeleton(dir / "big.h5", two_datasets(), {CheckpointKind::global, records, {{"config", config}}});
   mark_complete(dir / "big.h5");
@@ -217,8 +230,9 @@ TEST(Storage, ReadsWhatH5pyAddsAndRefusesWhatIsNotOurs) {
   ScratchDir dir;
   write_all(dir / "c.h5", IoMethod::direct);
   auto py = [&](const std::string& code) {
-    return std::system(("/usr/bin/python3 -c \"import h5py; f = h5py.File('" + (dir / "c.h5").string() + "', 'r+'); " +
-                        code + "\"").c_str());
+    return std::system(
+        ("/usr/bin/python3 -c \"import h5py; f = h5py.File('" + (dir / "c.h5").string() + "', 'r+'); " + code + "\"")
+            .c_str());
   };
   // A variable-length string common value (h5py's default) and a group of someone else's.
   ASSERT_EQ(py("f['_shardckpt/common'].attrs['note'] = 'from h5py'; f.create_group('extra')"), 0);

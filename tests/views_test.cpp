@@ -130,11 +130,11 @@ TEST(Dtypes, Bf16RoundsToNearestEven) {
 TEST(Dtypes, F16RoundsToNearestEvenIncludingSubnormals) {
   EXPECT_EQ(to_f16(1.0f).bits, 0x3C00);
   EXPECT_EQ(to_f16(65504.0f).bits, 0x7BFF);
-  EXPECT_EQ(to_f16(65520.0f).bits, 0x7C00);  // halfway past the largest half: infinity
-  EXPECT_EQ(to_f16(1.0f + 1.0f / 2048).bits, 0x3C00);          // tie -> even
-  EXPECT_EQ(to_f16(1.0f + 3.0f / 2048).bits, 0x3C02);          // tie -> even (up)
-  EXPECT_EQ(to_f16(5.9604644775390625e-8f).bits, 0x0001);      // smallest subnormal
-  EXPECT_EQ(to_f16(2.98023223876953125e-8f).bits, 0x0000);     // half of it: tie -> even (zero)
+  EXPECT_EQ(to_f16(65520.0f).bits, 0x7C00);                 // halfway past the largest half: infinity
+  EXPECT_EQ(to_f16(1.0f + 1.0f / 2048).bits, 0x3C00);       // tie -> even
+  EXPECT_EQ(to_f16(1.0f + 3.0f / 2048).bits, 0x3C02);       // tie -> even (up)
+  EXPECT_EQ(to_f16(5.9604644775390625e-8f).bits, 0x0001);   // smallest subnormal
+  EXPECT_EQ(to_f16(2.98023223876953125e-8f).bits, 0x0000);  // half of it: tie -> even (zero)
   EXPECT_EQ(to_f16(-0.0f).bits, 0x8000);
   for (std::uint32_t bits = 0; bits < 0x7C00; bits += 7) {
     const f16 h{static_cast<std::uint16_t>(bits)};

@@ -82,7 +82,9 @@ struct LayoutFlags {
   void add(CLI::App& cmd, bool with_ranks) {
     cmd.add_option("--tp", layout.tp, "tensor-parallel degree")->capture_default_str()->check(CLI::PositiveNumber);
     cmd.add_option("--gtp", layout.gtp, "GTP group size")->capture_default_str()->check(CLI::PositiveNumber);
-    cmd.add_option("--align", layout.align, "GTP alignment in rows (0: none)")->capture_default_str()->check(CLI::NonNegativeNumber);
+    cmd.add_option("--align", layout.align, "GTP alignment in rows (0: none)")
+        ->capture_default_str()
+        ->check(CLI::NonNegativeNumber);
     if (!with_ranks) return;
     cmd.add_option("--dp", layout.dp, "data-parallel replicas")->capture_default_str()->check(CLI::PositiveNumber);
     cmd.add_option("--ranks", ranks, "in-process ranks (default: DP x TP x GTP)")->check(CLI::PositiveNumber);
@@ -133,7 +135,8 @@ void run_job(bool mpi, int ranks, const std::function<void(ProcessGroup&)>& fn) 
   if (!mpi) return run_ranks(ranks, fn);
 #ifdef SHARDCKPT_HAVE_MPI
   MpiGroup group(MPI_COMM_WORLD);
-  require(group.size() == ranks, Errc::invalid_argument, "the MPI job has ", group.size(), " processes but the layout needs ", ranks);
+  require(group.size() == ranks, Errc::invalid_argument, "the MPI job has ", group.size(),
+          " processes but the layout needs ", ranks);
   fn(group);
 #else
   throw Error(Errc::invalid_argument, "--mpi: this build has no MPI support");
@@ -155,7 +158,8 @@ bool is_root(bool mpi) {
 // With --mpi each process counted only its own rank: the report shows the whole job's totals.
 void sum_over_job(bool mpi, std::span<std::int64_t> values) {
 #ifdef SHARDCKPT_HAVE_MPI
-  if (mpi) MPI_Allreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+  if (mpi)
+    MPI_Allreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
 #endif
   (void)mpi;
   (void)values;
@@ -169,8 +173,8 @@ struct LoadResult {
   std::string first_mismatch;
 };
 
-LoadResult load_and_verify(const fs::path& file, const model::ModelConfig& config, const model::Layout& layout, bool mpi,
-                           IoMethod method) {
+LoadResult load_and_verify(const fs::path& file, const model::ModelConfig& config, const model::Layout& layout,
+                           bool mpi, IoMethod method) {
   LoadResult out;
   std::mutex m;
   const auto t0 = std::chrono::steady_clock::now();
@@ -208,10 +212,14 @@ struct PlanFlags {
 int cmd_plan(const PlanFlags& f) {
   const SsmDims& d = f.config.dims;
   std::vector<Section> sections;
-  if (f.model == "gdp-in-proj") sections = gdp_in_proj_sections(d, f.tp);
-  else if (f.model == "gdp-conv1d") sections = gdp_conv1d_sections(d, f.tp);
-  else if (f.model == "mamba-in-proj") sections = mamba_in_proj_sections(d, f.tp);
-  else if (f.model == "mamba-conv1d") sections = mamba_conv1d_sections(d, f.tp);
+  if (f.model == "gdp-in-proj")
+    sections = gdp_in_proj_sections(d, f.tp);
+  else if (f.model == "gdp-conv1d")
+    sections = gdp_conv1d_sections(d, f.tp);
+  else if (f.model == "mamba-in-proj")
+    sections = mamba_in_proj_sections(d, f.tp);
+  else if (f.model == "mamba-conv1d")
+    sections = mamba_conv1d_sections(d, f.tp);
   else if (f.model == "plain") {
     require(f.rows > 0, Errc::invalid_argument, "--model plain needs --rows (TP-local rows)");
     sections = plain_sections(f.rows);
@@ -230,18 +238,28 @@ int cmd_plan(const PlanFlags& f) {
     for (const RankPlan& p : plans) {
       json pieces = json::array();
       for (const Piece& piece : p.pieces)
-        pieces.push_back({{"key", piece.key}, {"global_shape", piece.global_shape}, {"global_offset", piece.global_offset},
-                          {"rows", piece.rows}, {"shard_row", piece.shard_row}});
-      ranks.push_back({{"tp_rank", p.coord.tp_rank}, {"gtp_rank", p.coord.gtp_rank}, {"real_rows", p.real_rows},
-                       {"padding_only", p.padding_only}, {"pieces", pieces}});
+        pieces.push_back({{"key", piece.key},
+                          {"global_shape", piece.global_shape},
+                          {"global_offset", piece.global_offset},
+                          {"rows", piece.rows},
+                          {"shard_row", piece.shard_row}});
+      ranks.push_back({{"tp_rank", p.coord.tp_rank},
+                       {"gtp_rank", p.coord.gtp_rank},
+                       {"real_rows", p.real_rows},
+                       {"padding_only", p.padding_only},
+                       {"pieces", pieces}});
     }
-    std::cout << json{{"param_rows", spec.rows()}, {"shard_rows", geo.shard_rows()}, {"pad_rows", geo.pad()}, {"ranks", ranks}}.dump()
+    std::cout << json{{"param_rows", spec.rows()},
+                      {"shard_rows", geo.shard_rows()},
+                      {"pad_rows", geo.pad()},
+                      {"ranks", ranks}}
+                     .dump()
               << "\n";
     return 0;
   }
   std::cout << f.key << ": " << spec.rows() << " TP-local rows x " << f.cols << " cols in " << spec.sections.size()
-            << " sections, TP " << f.tp << " (split along dim " << f.tp_axis << "), GTP " << f.gtp << ", alignment " << f.align
-            << "\n  shard rows " << geo.shard_rows() << ", pad rows " << geo.pad() << ", padding-only ranks "
+            << " sections, TP " << f.tp << " (split along dim " << f.tp_axis << "), GTP " << f.gtp << ", alignment "
+            << f.align << "\n  shard rows " << geo.shard_rows() << ", pad rows " << geo.pad() << ", padding-only ranks "
             << geo.padding_only_ranks() << "\n\n";
   std::cout << "  tp  gtp   real  pieces (key [shard rows) -> global offset)\n";
   for (const RankPlan& p : plans) {
@@ -249,8 +267,8 @@ int cmd_plan(const PlanFlags& f) {
     if (p.padding_only) std::cout << "padding-only: saves nothing";
     for (std::size_t i = 0; i < p.pieces.size(); ++i) {
       const Piece& piece = p.pieces[i];
-      std::cout << (i ? ", " : "") << piece.key << " [" << piece.shard_row << ", " << piece.shard_row + piece.rows << ") -> "
-                << dims_text(piece.global_offset);
+      std::cout << (i ? ", " : "") << piece.key << " [" << piece.shard_row << ", " << piece.shard_row + piece.rows
+                << ") -> " << dims_text(piece.global_offset);
     }
     std::cout << "\n";
   }
@@ -286,20 +304,30 @@ int cmd_demo(const fs::path& out, model::ModelConfig config, model::Layout save_
   for (const DatasetInfo& d : reader.datasets()) bytes += dataset_bytes(d);
   const double save_gbps = bytes / save_seconds / 1e9, load_gbps = bytes / loaded.seconds / 1e9;
   if (json_out) {
-    std::cout << json{{"file", out.string()}, {"tensors", reader.datasets().size()}, {"params", reader.contents().params.size()},
-                      {"bytes", bytes}, {"save_layout", layout_json(save_layout)}, {"load_layout", layout_json(load_layout)},
-                      {"save_seconds", save_seconds}, {"save_gbps", save_gbps}, {"load_seconds", loaded.seconds},
-                      {"load_gbps", load_gbps}, {"peak_rss_bytes", peak_rss_bytes()}, {"pad_rows_skipped", pad_rows},
-                      {"values_verified", loaded.values}, {"pad_rows_verified", loaded.pad_rows},
-                      {"mismatches", loaded.mismatches}, {"materializations", materialization_count()}}
+    std::cout << json{{"file", out.string()},
+                      {"tensors", reader.datasets().size()},
+                      {"params", reader.contents().params.size()},
+                      {"bytes", bytes},
+                      {"save_layout", layout_json(save_layout)},
+                      {"load_layout", layout_json(load_layout)},
+                      {"save_seconds", save_seconds},
+                      {"save_gbps", save_gbps},
+                      {"load_seconds", loaded.seconds},
+                      {"load_gbps", load_gbps},
+                      {"peak_rss_bytes", peak_rss_bytes()},
+                      {"pad_rows_skipped", pad_rows},
+                      {"values_verified", loaded.values},
+                      {"pad_rows_verified", loaded.pad_rows},
+                      {"mismatches", loaded.mismatches},
+                      {"materializations", materialization_count()}}
                      .dump()
               << "\n";
   } else {
     std::printf("shardckpt demo: %d GDP + %d Mamba layers, %s\n", config.gdp_layers, config.mamba_layers,
                 std::string(dtype_name(config.dtype)).c_str());
     std::printf("  saved   %zu tensors (%zu fused/plain parameters), %.2f MiB at %s in %.3f s (%.2f GB/s) -> %s\n",
-                reader.datasets().size(), reader.contents().params.size(), bytes / 1048576.0, layout_text(save_layout).c_str(),
-                save_seconds, save_gbps, out.c_str());
+                reader.datasets().size(), reader.contents().params.size(), bytes / 1048576.0,
+                layout_text(save_layout).c_str(), save_seconds, save_gbps, out.c_str());
     std::printf("  pad rows skipped: %lld (never written)\n", static_cast<long long>(pad_rows));
     std::printf("  loaded  at %s in %.3f s (%.2f GB/s)\n", layout_text(load_layout).c_str(), loaded.seconds, load_gbps);
     std::printf("  verified %lld values and %lld pad rows: %s\n", static_cast<long long>(loaded.values),
@@ -308,7 +336,8 @@ int cmd_demo(const fs::path& out, model::ModelConfig config, model::Layout save_
                 peak_rss_bytes() / 1048576.0, shard_bytes / 1048576.0,
                 static_cast<unsigned long long>(materialization_count()));
   }
-  if (loaded.mismatches) std::cerr << "shardckpt: " << loaded.mismatches << " mismatches; first: " << loaded.first_mismatch << "\n";
+  if (loaded.mismatches)
+    std::cerr << "shardckpt: " << loaded.mismatches << " mismatches; first: " << loaded.first_mismatch << "\n";
   return loaded.mismatches ? 1 : 0;
 }
 
@@ -318,9 +347,13 @@ int cmd_load(const fs::path& file, const model::ModelConfig& config, const model
   const bool failed = verify && r.mismatches > 0;
   if (!is_root(mpi)) return failed ? 1 : 0;
   if (json_out) {
-    std::cout << json{{"file", file.string()}, {"layout", layout_json(layout)}, {"seconds", r.seconds},
-                      {"values_verified", verify ? r.values : 0}, {"pad_rows_verified", verify ? r.pad_rows : 0},
-                      {"mismatches", verify ? r.mismatches : 0}, {"verified", verify}}
+    std::cout << json{{"file", file.string()},
+                      {"layout", layout_json(layout)},
+                      {"seconds", r.seconds},
+                      {"values_verified", verify ? r.values : 0},
+                      {"pad_rows_verified", verify ? r.pad_rows : 0},
+                      {"mismatches", verify ? r.mismatches : 0},
+                      {"verified", verify}}
                      .dump()
               << "\n";
   } else {
@@ -344,8 +377,9 @@ std::vector<std::pair<ParamRecord, DType>> reshard_params(const CheckpointReader
   }
   for (const DatasetInfo& d : in.datasets()) {
     if (covered.contains(d.key) || d.shape.empty() || d.shape[0] == 0) continue;
-    out.emplace_back(ParamRecord{d.key, TpAxis::replicated, plain_sections(d.shape[0]), {d.shape.begin() + 1, d.shape.end()}},
-                     d.dtype);
+    out.emplace_back(
+        ParamRecord{d.key, TpAxis::replicated, plain_sections(d.shape[0]), {d.shape.begin() + 1, d.shape.end()}},
+        d.dtype);
   }
   return out;
 }
@@ -369,8 +403,8 @@ int cmd_reshard(const fs::path& in, const fs::path& out, const model::Layout& la
     for (const auto& [key, value] : reader.contents().common) state.add_common(key, value);
     save(state, out, group);
   });
-  std::printf("resharded %s -> %s at %s: %zu parameters in %.3f s\n", in.c_str(), out.c_str(), layout_text(layout).c_str(),
-              params.size(), seconds_since(t0));
+  std::printf("resharded %s -> %s at %s: %zu parameters in %.3f s\n", in.c_str(), out.c_str(),
+              layout_text(layout).c_str(), params.size(), seconds_since(t0));
   return 0;
 }
 
@@ -381,31 +415,39 @@ int cmd_inspect(const fs::path& file, bool json_out) {
   json tensors = json::array(), params = json::array(), common = json::object();
   for (const DatasetInfo& d : reader.datasets()) {
     total += dataset_bytes(d);
-    tensors.push_back({{"key", d.key}, {"dtype", dtype_name(d.dtype)}, {"global_shape", d.shape}, {"bytes", dataset_bytes(d)}});
+    tensors.push_back(
+        {{"key", d.key}, {"dtype", dtype_name(d.dtype)}, {"global_shape", d.shape}, {"bytes", dataset_bytes(d)}});
   }
   for (const ParamRecord& r : c.params) {
     json blocks = json::array();
-    for (const Section& s : r.blocks) blocks.push_back({{"name", s.name}, {"key", block_key(r.key, s.name)}, {"rows", s.rows}});
-    params.push_back({{"key", r.key}, {"tp_axis", tp_axis_name(r.tp_axis)}, {"trailing", r.trailing}, {"blocks", blocks}});
+    for (const Section& s : r.blocks)
+      blocks.push_back({{"name", s.name}, {"key", block_key(r.key, s.name)}, {"rows", s.rows}});
+    params.push_back(
+        {{"key", r.key}, {"tp_axis", tp_axis_name(r.tp_axis)}, {"trailing", r.trailing}, {"blocks", blocks}});
   }
   for (const auto& [key, value] : c.common) std::visit([&](const auto& v) { common[key] = v; }, value);
   if (json_out) {
-    std::cout << json{{"file", file.string()}, {"format_version", format_version},
-                      {"kind", c.kind == CheckpointKind::global ? "global" : "local"}, {"bytes", total},
-                      {"tensors", tensors}, {"params", params}, {"common", common}}
+    std::cout << json{{"file", file.string()},
+                      {"format_version", format_version},
+                      {"kind", c.kind == CheckpointKind::global ? "global" : "local"},
+                      {"bytes", total},
+                      {"tensors", tensors},
+                      {"params", params},
+                      {"common", common}}
                      .dump()
               << "\n";
     return 0;
   }
-  std::printf("%s: %s checkpoint, %zu tensors, %.2f MiB\n", file.c_str(), c.kind == CheckpointKind::global ? "global" : "local",
-              reader.datasets().size(), total / 1048576.0);
+  std::printf("%s: %s checkpoint, %zu tensors, %.2f MiB\n", file.c_str(),
+              c.kind == CheckpointKind::global ? "global" : "local", reader.datasets().size(), total / 1048576.0);
   for (const DatasetInfo& d : reader.datasets())
     std::printf("  %-56s %-5s %-20s %12lld bytes\n", d.key.c_str(), std::string(dtype_name(d.dtype)).c_str(),
                 dims_text(d.shape).c_str(), static_cast<long long>(dataset_bytes(d)));
   if (!c.params.empty()) std::printf("fused layouts:\n");
   for (const ParamRecord& r : c.params) {
     std::printf("  %s (TP %s):", r.key.c_str(), std::string(tp_axis_name(r.tp_axis)).c_str());
-    for (const Section& s : r.blocks) std::printf(" %s=%lld", s.name.empty() ? "(plain)" : s.name.c_str(), static_cast<long long>(s.rows));
+    for (const Section& s : r.blocks)
+      std::printf(" %s=%lld", s.name.empty() ? "(plain)" : s.name.c_str(), static_cast<long long>(s.rows));
     std::printf("\n");
   }
   if (!c.common.empty()) std::printf("common values:\n");
@@ -426,7 +468,8 @@ int main(int argc, char** argv) {
 #endif
   CLI::App app{"shardckpt: save and load GTP-sharded tensor-parallel weights as HDF5 without gathering"};
   app.require_subcommand(1);
-  app.failure_message([](const CLI::App*, const CLI::Error& e) { return std::string("shardckpt: error: ") + e.what() + "\n"; });
+  app.failure_message(
+      [](const CLI::App*, const CLI::Error& e) { return std::string("shardckpt: error: ") + e.what() + "\n"; });
 
   PlanFlags pf;
   auto* plan = app.add_subcommand("plan", "print what every rank saves of one parameter");
@@ -447,7 +490,9 @@ int main(int argc, char** argv) {
 
   std::string method_name = "direct";
   auto add_method = [&](CLI::App* cmd) {
-    cmd->add_option("--method", method_name, "write/read path")->check(CLI::IsMember({"direct", "hyperslab"}))->capture_default_str();
+    cmd->add_option("--method", method_name, "write/read path")
+        ->check(CLI::IsMember({"direct", "hyperslab"}))
+        ->capture_default_str();
   };
 
   std::string demo_out;
@@ -460,8 +505,11 @@ int main(int argc, char** argv) {
   demo_model.add(*demo);
   demo_layout.add(*demo, true);
   demo->add_option("--load-tp", load_to.tp, "TP of the reload")->capture_default_str()->check(CLI::PositiveNumber);
-  demo->add_option("--load-gtp", load_to.gtp, "GTP of the reload (default: the save's ranks)")->check(CLI::PositiveNumber);
-  demo->add_option("--load-align", load_to.align, "alignment of the reload")->capture_default_str()->check(CLI::NonNegativeNumber);
+  demo->add_option("--load-gtp", load_to.gtp, "GTP of the reload (default: the save's ranks)")
+      ->check(CLI::PositiveNumber);
+  demo->add_option("--load-align", load_to.align, "alignment of the reload")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   demo->add_flag("--json", demo_json);
   add_method(demo);
 
@@ -508,7 +556,8 @@ int main(int argc, char** argv) {
     }
     if (*loadc) {
       load_model.default_from(CheckpointReader(load_file));
-      rc = cmd_load(load_file, load_model.get(), load_layout.resolve(), load_layout.mpi, load_verify, method, load_json);
+      rc =
+          cmd_load(load_file, load_model.get(), load_layout.resolve(), load_layout.mpi, load_verify, method, load_json);
     }
     if (*reshard) rc = cmd_reshard(rin, rout, reshard_layout.layout);
     if (*inspect) rc = cmd_inspect(inspect_file, inspect_json);
