@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 packages=(meson ninja-build clang-19 lld-19 clang-tools-19 libclang-rt-19-dev
-          libhdf5-dev hdf5-tools librange-v3-dev libgtest-dev libgmock-dev pkg-config
+          libhdf5-dev hdf5-tools librange-v3-dev libgtest-dev pkg-config
           nlohmann-json3-dev libcli11-dev openmpi-bin libopenmpi-dev
           python3-h5py python3-numpy)
 missing=()
