@@ -28,6 +28,13 @@ class ProcessGroup {
   virtual void barrier() = 0;
   // Every rank's bytes, in rank order, on every rank.
   virtual std::vector<std::vector<std::byte>> all_gather(std::span<const std::byte> mine) = 0;
+  // Every rank's bytes, in rank order, at `root` only (the others get nothing). A save sends its
+  // plans this way, so that only one rank ever holds them all; the default is an all_gather.
+  virtual std::vector<std::vector<std::byte>> gather(std::span<const std::byte> mine, int root) {
+    auto all = all_gather(mine);
+    if (rank() != root) all.clear();
+    return all;
+  }
   // The root's bytes on every rank (other ranks' `bytes` are ignored).
   virtual std::vector<std::byte> broadcast(std::span<const std::byte> bytes, int root) = 0;
 };

@@ -25,6 +25,7 @@ class MpiGroup final : public ProcessGroup {
   int size() const override { return size_; }
   void barrier() override;
   std::vector<std::vector<std::byte>> all_gather(std::span<const std::byte> mine) override;
+  std::vector<std::vector<std::byte>> gather(std::span<const std::byte> mine, int root) override;
   std::vector<std::byte> broadcast(std::span<const std::byte> bytes, int root) override;
 
  private:

@@ -159,6 +159,9 @@ RankPlan plan_rank(const ParamSpec& spec, std::int64_t gtp, std::int64_t align, 
 struct Box {
   RowRange rows;
   RowRange cols;
+
+  constexpr bool empty() const noexcept { return rows.empty() || cols.empty(); }
+  constexpr Box intersect(const Box& o) const noexcept { return {rows.intersect(o.rows), cols.intersect(o.cols)}; }
 };
 
 // One rank's claim on part of a dataset, as exchanged before a save: enough to check that all

@@ -53,15 +53,27 @@ struct DatasetSpec {
   std::vector<std::int64_t> shape;
   std::optional<PiecePlacement> placement;  // local checkpoints only
   bool placeholder = false;                 // zero-element stand-in of a padding-only rank
+  // Chunk dims, or empty for a contiguous dataset. A dataset whose pieces split dim 1 is chunked by
+  // column band, so that each band's rows are contiguous bytes rather than one run per row.
+  std::vector<std::int64_t> chunk;
 };
 
-// A dataset as found in (or created in) a file. `address` is set when its raw data is contiguous,
-// allocated and stored in exactly the library's type, so the direct path may use it.
+// Raw data the direct path can address: the elements `box` (rows x flat columns, see footprint) of a
+// dataset, stored row-major from `address` with rows of box.cols.size() elements. A contiguous
+// dataset is one extent; a chunked one has one per chunk (an edge chunk's box reaches past the data).
+struct Extent {
+  Box box;
+  std::uint64_t address = 0;
+};
+
+// A dataset as found in (or created in) a file. `extents` cover the whole dataset when its raw data
+// is allocated, unfiltered and stored in exactly the library's type, so the direct path may use it;
+// otherwise they are empty and reads go through HDF5.
 struct DatasetInfo {
   std::string key;
   DType dtype = DType::f32;
   std::vector<std::int64_t> shape;
-  std::optional<std::uint64_t> address;
+  std::vector<Extent> extents;
   std::optional<PiecePlacement> placement;
   bool placeholder = false;
 };

@@ -1,4 +1,5 @@
 module;
+#include <algorithm>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -8,11 +9,12 @@ module;
 #include <functional>
 #include <map>
 #include <mutex>
-#include <nlohmann/json.hpp>
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -23,102 +25,253 @@ namespace shardckpt {
 namespace {
 
 namespace fs = std::filesystem;
-using json = nlohmann::json;
 using Bytes = std::vector<std::byte>;
 
-Bytes to_bytes(const json& j) {
-  const std::vector<std::uint8_t> packed = json::to_msgpack(j);
-  Bytes out(packed.size());
-  std::memcpy(out.data(), packed.data(), packed.size());
-  return out;
-}
+// ---- the wire format of the save protocol: little structs as length-prefixed binary ------------------
 
-json from_bytes(std::span<const std::byte> b) {
-  const auto* p = reinterpret_cast<const std::uint8_t*>(b.data());
-  return json::from_msgpack(p, p + b.size());
-}
-
-// One phase of a collective operation: every rank runs `step`, then all ranks exchange outcomes.
-// Either every rank gets every rank's payload, or every rank throws the same error: the code of the
-// lowest failing rank and the messages of the failing ranks.
-std::vector<json> agree(ProcessGroup& group, std::string_view phase, const std::function<json()>& step) {
-  json mine;
-  try {
-    mine = {{"ok", true}, {"payload", step()}};
-  } catch (const Error& e) {
-    mine = {{"ok", false}, {"code", static_cast<int>(e.code())}, {"message", e.what()}};
-  } catch (const std::exception& e) {
-    mine = {{"ok", false}, {"code", static_cast<int>(Errc::internal)}, {"message", e.what()}};
+class Writer {
+ public:
+  void u8(std::uint8_t v) { out_.push_back(static_cast<std::byte>(v)); }
+  void i64(std::int64_t v) { put(&v, sizeof v); }
+  void f64(double v) { put(&v, sizeof v); }
+  void str(std::string_view s) {
+    i64(static_cast<std::int64_t>(s.size()));
+    put(s.data(), s.size());
   }
-  const auto gathered = group.all_gather(to_bytes(mine));
-  std::vector<json> payloads;
+  void dims(std::span<const std::int64_t> v) {
+    i64(static_cast<std::int64_t>(v.size()));
+    put(v.data(), v.size() * sizeof(std::int64_t));
+  }
+  void bytes(std::span<const std::byte> b) { out_.insert(out_.end(), b.begin(), b.end()); }
+  Bytes take() { return std::move(out_); }
+
+ private:
+  void put(const void* p, std::size_t n) {
+    const auto* b = static_cast<const std::byte*>(p);
+    out_.insert(out_.end(), b, b + n);
+  }
+  Bytes out_;
+};
+
+class Reader {
+ public:
+  explicit Reader(std::span<const std::byte> in) : in_(in) {}
+  std::uint8_t u8() { return static_cast<std::uint8_t>(*take(1).data()); }
+  std::int64_t i64() { return get<std::int64_t>(); }
+  double f64() { return get<double>(); }
+  std::string str() {
+    const auto b = take(length());
+    return {reinterpret_cast<const char*>(b.data()), b.size()};
+  }
+  std::vector<std::int64_t> dims() {
+    std::vector<std::int64_t> v(length());
+    const auto b = take(v.size() * sizeof(std::int64_t));
+    if (!v.empty()) std::memcpy(v.data(), b.data(), b.size());
+    return v;
+  }
+  std::span<const std::byte> rest() { return take(in_.size() - pos_); }
+  bool done() const { return pos_ == in_.size(); }
+
+ private:
+  template <class T>
+  T get() {
+    T v;
+    std::memcpy(&v, take(sizeof v).data(), sizeof v);
+    return v;
+  }
+  std::size_t length() {
+    const std::int64_t n = i64();
+    require(n >= 0 && static_cast<std::size_t>(n) <= in_.size() - pos_, Errc::collective, "a malformed message");
+    return static_cast<std::size_t>(n);
+  }
+  std::span<const std::byte> take(std::size_t n) {
+    require(n <= in_.size() - pos_, Errc::collective, "a truncated message");
+    const auto out = in_.subspan(pos_, n);
+    pos_ += n;
+    return out;
+  }
+  std::span<const std::byte> in_;
+  std::size_t pos_ = 0;
+};
+
+// A step's outcome as sent to other ranks: 1 and the payload, or 0, the error code and the message.
+Bytes outcome(const std::function<Bytes()>& step) {
+  Writer w;
+  try {
+    Bytes payload = step();
+    w.u8(1);
+    w.bytes(payload);
+  } catch (const Error& e) {
+    w = Writer();
+    w.u8(0);
+    w.u8(static_cast<std::uint8_t>(e.code()));
+    w.str(e.what());
+  } catch (const std::exception& e) {
+    w = Writer();
+    w.u8(0);
+    w.u8(static_cast<std::uint8_t>(Errc::internal));
+    w.str(e.what());
+  }
+  return w.take();
+}
+
+// The payload of one outcome, or its error rethrown as it was.
+std::span<const std::byte> payload_or_throw(std::span<const std::byte> bytes) {
+  Reader r(bytes);
+  if (r.u8() == 1) return r.rest();
+  const auto code = static_cast<Errc>(r.u8());
+  throw Error(code, r.str());
+}
+
+// Every rank's payload, or one error for all: the code of the lowest failing rank and the message
+// of every failing rank.
+std::vector<std::span<const std::byte>> payloads_or_throw(std::string_view phase, const std::vector<Bytes>& outcomes) {
+  std::vector<std::span<const std::byte>> payloads;
   std::optional<Errc> code;
   std::string text;
-  for (std::size_t r = 0; r < gathered.size(); ++r) {
-    json j = from_bytes(gathered[r]);
-    if (j.at("ok").get<bool>()) {
-      payloads.push_back(std::move(j.at("payload")));
-      continue;
+  for (std::size_t r = 0; r < outcomes.size(); ++r) {
+    try {
+      payloads.push_back(payload_or_throw(outcomes[r]));
+    } catch (const Error& e) {
+      text += cat(code ? "; and on rank " : " failed on rank ", r, ": ", e.what());
+      if (!code) code = e.code();
     }
-    text += cat(code ? "; and on rank " : " failed on rank ", r, ": ", j.at("message").get<std::string>());
-    if (!code) code = static_cast<Errc>(j.at("code").get<int>());
   }
   if (code) throw Error(*code, cat(phase, text));
   return payloads;
 }
 
-json claim_json(const Claim& c) {
-  return {c.key, static_cast<int>(c.dtype), c.global_shape, c.global_offset, c.count, c.main_replica};
+// One phase on all ranks: every rank runs `step`, all exchange outcomes, and either every rank gets
+// every payload or every rank throws the same error.
+void agree(ProcessGroup& group, std::string_view phase, const std::function<void()>& step) {
+  (void)payloads_or_throw(phase, group.all_gather(outcome([&] {
+    step();
+    return Bytes();
+  })));
 }
 
-Claim claim_from(const json& j, int rank) {
-  return {j[0].get<std::string>(),
-          static_cast<DType>(j[1].get<int>()),
-          j[2].get<std::vector<std::int64_t>>(),
-          j[3].get<std::vector<std::int64_t>>(),
-          j[4].get<std::vector<std::int64_t>>(),
-          rank,
-          j[5].get<bool>()};
+// One phase decided by rank 0: every rank runs `step`, rank 0 alone sees all payloads and runs
+// `decide` on them, and every rank gets rank 0's verdict: its payload, or the same error.
+Bytes decide_at_root(ProcessGroup& group, std::string_view phase, const std::function<Bytes()>& step,
+                     const std::function<Bytes(const std::vector<std::span<const std::byte>>&)>& decide) {
+  const std::vector<Bytes> gathered = group.gather(outcome(step), 0);
+  Bytes verdict;
+  if (group.rank() == 0) verdict = outcome([&] { return decide(payloads_or_throw(phase, gathered)); });
+  const Bytes shared = group.broadcast(verdict, 0);
+  const auto payload = payload_or_throw(shared);
+  return {payload.begin(), payload.end()};
 }
 
-json common_json(const std::map<std::string, CommonValue, std::less<>>& common) {
-  json out = json::object();
-  for (const auto& [key, value] : common) std::visit([&](const auto& v) { out[key] = v; }, value);
+void put_claim(Writer& w, const SaveItem& i) {
+  w.str(i.key);
+  w.u8(static_cast<std::uint8_t>(i.dtype));
+  w.dims(i.global_shape);
+  w.dims(i.global_offset);
+  w.dims(i.count);
+  w.u8(i.main_replica);
+}
+
+Claim get_claim(Reader& r, int rank) {
+  Claim c;
+  c.key = r.str();
+  c.dtype = static_cast<DType>(r.u8());
+  c.global_shape = r.dims();
+  c.global_offset = r.dims();
+  c.count = r.dims();
+  c.rank = rank;
+  c.main_replica = r.u8() != 0;
+  return c;
+}
+
+void put_record(Writer& w, const ParamRecord& p) {
+  w.str(p.key);
+  w.u8(static_cast<std::uint8_t>(p.tp_axis));
+  w.i64(static_cast<std::int64_t>(p.blocks.size()));
+  for (const Section& s : p.blocks) {
+    w.str(s.name);
+    w.i64(s.rows);
+  }
+  w.dims(p.trailing);
+}
+
+ParamRecord get_record(Reader& r) {
+  ParamRecord p;
+  p.key = r.str();
+  p.tp_axis = static_cast<TpAxis>(r.u8());
+  for (std::int64_t n = r.i64(); n > 0; --n) {
+    std::string name = r.str();
+    p.blocks.push_back({std::move(name), r.i64()});
+  }
+  p.trailing = r.dims();
+  return p;
+}
+
+void put_common(Writer& w, const std::map<std::string, CommonValue, std::less<>>& common) {
+  w.i64(static_cast<std::int64_t>(common.size()));
+  for (const auto& [key, value] : common) {
+    w.str(key);
+    w.u8(static_cast<std::uint8_t>(value.index()));
+    if (const auto* i = std::get_if<std::int64_t>(&value)) w.i64(*i);
+    if (const auto* d = std::get_if<double>(&value)) w.f64(*d);
+    if (const auto* s = std::get_if<std::string>(&value)) w.str(*s);
+  }
+}
+
+std::map<std::string, CommonValue, std::less<>> get_common(Reader& r) {
+  std::map<std::string, CommonValue, std::less<>> out;
+  for (std::int64_t n = r.i64(); n > 0; --n) {
+    std::string key = r.str();
+    switch (r.u8()) {
+      case 0:
+        out.emplace(std::move(key), r.i64());
+        break;
+      case 1:
+        out.emplace(std::move(key), r.f64());
+        break;
+      default:
+        out.emplace(std::move(key), r.str());
+        break;
+    }
+  }
   return out;
 }
 
-CommonValue common_from(const json& j) {
-  if (j.is_number_integer()) return j.get<std::int64_t>();
-  if (j.is_number()) return j.get<double>();
-  return j.get<std::string>();
+void put_dataset(Writer& w, const DatasetInfo& d) {
+  w.str(d.key);
+  w.u8(static_cast<std::uint8_t>(d.dtype));
+  w.dims(d.shape);
+  w.i64(static_cast<std::int64_t>(d.extents.size()));
+  for (const Extent& e : d.extents) {
+    for (std::int64_t v : {e.box.rows.begin, e.box.rows.end, e.box.cols.begin, e.box.cols.end}) w.i64(v);
+    w.i64(static_cast<std::int64_t>(e.address));
+  }
 }
 
-json record_json(const ParamRecord& r) {
-  json blocks = json::array();
-  for (const Section& s : r.blocks) blocks.push_back({s.name, s.rows});
-  return {r.key, static_cast<int>(r.tp_axis), blocks, r.trailing};
-}
-
-ParamRecord record_from(const json& j) {
-  ParamRecord r{
-      j[0].get<std::string>(), static_cast<TpAxis>(j[1].get<int>()), {}, j[3].get<std::vector<std::int64_t>>()};
-  for (const json& b : j[2]) r.blocks.push_back({b[0].get<std::string>(), b[1].get<std::int64_t>()});
-  return r;
-}
-
-json dataset_json(const DatasetInfo& d) {
-  return {d.key, static_cast<int>(d.dtype), d.shape, d.address ? json(*d.address) : json()};
-}
-
-DatasetInfo dataset_from(const json& j) {
-  DatasetInfo d{j[0].get<std::string>(),
-                static_cast<DType>(j[1].get<int>()),
-                j[2].get<std::vector<std::int64_t>>(),
-                std::nullopt,
-                std::nullopt,
-                false};
-  if (!j[3].is_null()) d.address = j[3].get<std::uint64_t>();
+DatasetInfo get_dataset(Reader& r) {
+  DatasetInfo d;
+  d.key = r.str();
+  d.dtype = static_cast<DType>(r.u8());
+  d.shape = r.dims();
+  for (std::int64_t n = r.i64(); n > 0; --n) {
+    Extent e;
+    e.box.rows.begin = r.i64();
+    e.box.rows.end = r.i64();
+    e.box.cols.begin = r.i64();
+    e.box.cols.end = r.i64();
+    e.address = static_cast<std::uint64_t>(r.i64());
+    d.extents.push_back(e);
+  }
   return d;
+}
+
+// The one rank that sends a parameter's record: the main replica that saves its first element.
+bool owns_record(const SavePlan& plan, const ParamRecord& record) {
+  const std::string first = block_key(record.key, record.blocks.front().name);
+  for (const SaveItem& i : plan.items)
+    if (i.key == first && i.main_replica && i.count[0] > 0 &&
+        std::all_of(i.global_offset.begin(), i.global_offset.end(), [](std::int64_t o) { return o == 0; }))
+      return true;
+  return false;
 }
 
 }  // namespace
@@ -140,13 +293,25 @@ struct ThreadGroup::State {
     int me = 0;
     int rank() const override { return me; }
     int size() const override { return static_cast<int>(state->members.size()); }
-    void barrier() override { (void)all_gather({}); }
-    std::vector<Bytes> all_gather(std::span<const std::byte> mine) override { return state->exchange(me, mine); }
+    void barrier() override {
+      state->exchange(me, {}, [](std::vector<Bytes>&) { return 0; });
+    }
+    std::vector<Bytes> all_gather(std::span<const std::byte> mine) override {
+      return state->exchange(me, mine, [](std::vector<Bytes>& all) { return all; });
+    }
+    std::vector<Bytes> gather(std::span<const std::byte> mine, int root) override {
+      check_root(root);
+      // Only the root reads the round's result, so it may take it.
+      return state->exchange(
+          me, mine, [&](std::vector<Bytes>& all) { return me == root ? std::move(all) : std::vector<Bytes>(); });
+    }
     Bytes broadcast(std::span<const std::byte> bytes, int root) override {
-      require(root >= 0 && root < size(), Errc::invalid_argument, "broadcast root ", root, " is outside a group of ",
-              size());
-      return std::move(
-          state->exchange(me, me == root ? bytes : std::span<const std::byte>())[static_cast<std::size_t>(root)]);
+      check_root(root);
+      return state->exchange(me, me == root ? bytes : std::span<const std::byte>(),
+                             [&](std::vector<Bytes>& all) { return all[static_cast<std::size_t>(root)]; });
+    }
+    void check_root(int root) const {
+      require(root >= 0 && root < size(), Errc::invalid_argument, "root ", root, " is outside a group of ", size());
     }
   };
 
@@ -162,7 +327,10 @@ struct ThreadGroup::State {
     if (aborted) throw Error(Errc::collective, cat("the thread group was aborted: ", *aborted));
   }
 
-  std::vector<Bytes> exchange(int rank, std::span<const std::byte> mine) {
+  // Deposits this rank's bytes, waits for the round to complete, and returns pick(result) for this
+  // rank: everything, one rank's bytes, or nothing.
+  template <class Pick>
+  std::invoke_result_t<Pick, std::vector<Bytes>&> exchange(int rank, std::span<const std::byte> mine, Pick pick) {
     std::unique_lock lock(mutex);
     throw_if_aborted();
     slots[static_cast<std::size_t>(rank)].assign(mine.begin(), mine.end());
@@ -172,13 +340,13 @@ struct ThreadGroup::State {
       arrived = 0;
       ++generation;
       changed.notify_all();
-      return result;
+      return pick(result);
     }
     const std::uint64_t round = generation;
     changed.wait(lock, [&] { return generation != round || aborted; });
     if (generation == round) throw_if_aborted();
     // The next round cannot complete without this rank, so `result` still holds this round's.
-    return result;
+    return pick(result);
   }
 };
 
@@ -235,66 +403,70 @@ void save(const StateDict& state, const fs::path& path, ProcessGroup& group, Sav
   const fs::path partial = partial_path(path);
   try {
     SavePlan plan;
-    // 1. Every rank's plan, to every rank.
-    const std::vector<json> shared = agree(group, "planning the save", [&] {
-      plan = prepare_save(state);
-      json claims = json::array(), records = json::array();
-      for (const Claim& c : claims_of(plan, me)) claims.push_back(claim_json(c));
-      for (const ParamRecord& r : plan.params) records.push_back(record_json(r));
-      return json{
-          {"claims", claims}, {"params", records}, {"common", me == 0 ? common_json(plan.common) : json::object()}};
-    });
-    // 2. Validation of all plans together, before anything touches the disk. It is deterministic,
-    // so every rank reaches the same verdict; agree() still makes a rank's surprise everyone's.
-    std::vector<Claim> claims;
-    CheckpointContents contents;
-    agree(group, "validating the plans of all ranks", [&] {
-      std::map<std::string, ParamRecord> records;
-      for (std::size_t r = 0; r < shared.size(); ++r) {
-        for (const json& c : shared[r].at("claims")) claims.push_back(claim_from(c, static_cast<int>(r)));
-        for (const json& j : shared[r].at("params")) {
-          ParamRecord rec = record_from(j);
-          const auto [it, fresh] = records.emplace(rec.key, rec);
-          require(fresh || it->second == rec, Errc::shape_mismatch, "parameter ", rec.key, ": rank ", r,
-                  " describes its blocks differently from another rank");
-        }
-      }
-      validate_claims(claims);
-      for (auto& [key, rec] : records) contents.params.push_back(std::move(rec));
-      for (const auto& [key, value] : shared[0].at("common").items()) contents.common.emplace(key, common_from(value));
-      return json();
-    });
-    // 3. Rank 0 creates the file with every dataset at its global shape; all learn the addresses.
-    const std::vector<json> created = agree(group, "creating the checkpoint", [&] {
-      json out = json::array();
-      if (me == 0)
-        for (const DatasetInfo& d : create_skeleton(partial, datasets_of(claims), contents))
-          out.push_back(dataset_json(d));
-      return out;
-    });
+    // 1. Every rank's claims reach rank 0, which validates them all together before anything touches
+    // the disk, then creates the file with every dataset at its global shape. Every rank learns the
+    // verdict and the datasets' extents. Only rank 0 ever holds all claims.
+    const Bytes created = decide_at_root(
+        group, "planning and validating the save",
+        [&] {
+          plan = prepare_save(state);
+          Writer w;
+          w.i64(static_cast<std::int64_t>(plan.items.size()));
+          for (const SaveItem& i : plan.items) put_claim(w, i);
+          std::vector<const ParamRecord*> owned;
+          for (const ParamRecord& r : plan.params)
+            if (owns_record(plan, r)) owned.push_back(&r);
+          w.i64(static_cast<std::int64_t>(owned.size()));
+          for (const ParamRecord* r : owned) put_record(w, *r);
+          put_common(w, me == 0 ? plan.common : decltype(plan.common){});
+          return w.take();
+        },
+        [&](const std::vector<std::span<const std::byte>>& payloads) {
+          std::vector<Claim> claims;
+          CheckpointContents contents;
+          std::map<std::string, ParamRecord, std::less<>> records;
+          for (std::size_t rank = 0; rank < payloads.size(); ++rank) {
+            Reader r(payloads[rank]);
+            for (std::int64_t n = r.i64(); n > 0; --n) claims.push_back(get_claim(r, static_cast<int>(rank)));
+            for (std::int64_t n = r.i64(); n > 0; --n) {
+              ParamRecord rec = get_record(r);
+              records.emplace(rec.key, std::move(rec));
+            }
+            auto common = get_common(r);
+            if (rank == 0) contents.common = std::move(common);
+          }
+          validate_claims(claims);
+          for (auto& [key, rec] : records) contents.params.push_back(std::move(rec));
+          const std::vector<DatasetInfo> datasets = create_skeleton(partial, datasets_of(claims), contents);
+          Writer w;
+          w.i64(static_cast<std::int64_t>(datasets.size()));
+          for (const DatasetInfo& d : datasets) put_dataset(w, d);
+          return w.take();
+        });
     std::vector<DatasetInfo> datasets;
-    for (const json& d : created[0]) datasets.push_back(dataset_from(d));
-    // 4. Every rank writes its own pieces: all at once on the direct path; on the hyperslab path
+    Reader r(created);
+    for (std::int64_t n = r.i64(); n > 0; --n) datasets.push_back(get_dataset(r));
+    // 2. Every rank writes its own pieces: all at once on the direct path; on the hyperslab path
     // one rank at a time, since HDF5 must not have one file open for writing in two processes.
     auto write_mine = [&] {
       PieceWriter writer(partial, options.method);
       write_items(plan, datasets, writer);
       writer.finish();
-      return json();
     };
     if (options.method == IoMethod::direct) {
       agree(group, "writing pieces", write_mine);
     } else {
       for (int turn = 0; turn < group.size(); ++turn)
-        agree(group, "writing pieces", [&] { return turn == me ? write_mine() : json(); });
+        agree(group, "writing pieces", [&] {
+          if (turn == me) write_mine();
+        });
     }
-    // 5. Only when every rank has written and synced its pieces does rank 0 commit.
+    // 3. Only when every rank has written and synced its pieces does rank 0 commit.
     agree(group, "committing the checkpoint", [&] {
       if (me == 0) {
         mark_complete(partial);
         commit(partial, path);
       }
-      return json();
     });
   } catch (Error& e) {
     // Nothing was committed; whatever rank 0 had created goes.
@@ -310,10 +482,7 @@ void save(const StateDict& state, const fs::path& path, SaveOptions options) {
 
 LoadedState load(const fs::path& path, const StateDict& request, ProcessGroup& group, LoadOptions options) {
   std::optional<LoadedState> out;
-  agree(group, cat("loading ", path.string()), [&] {
-    out.emplace(load(path, request, options));
-    return json();
-  });
+  agree(group, cat("loading ", path.string()), [&] { out.emplace(load(path, request, options)); });
   return std::move(*out);
 }
 

@@ -35,27 +35,67 @@ MpiGroup::~MpiGroup() {
 
 void MpiGroup::barrier() { check_mpi(MPI_Barrier(comm_), "Barrier"); }
 
-std::vector<std::vector<std::byte>> MpiGroup::all_gather(std::span<const std::byte> mine) {
-  const auto n = static_cast<std::int64_t>(mine.size());
-  require(n <= INT32_MAX, Errc::invalid_argument, "all_gather of ", n, " bytes exceeds MPI's int counts");
-  std::vector<int> counts(static_cast<std::size_t>(size_)), displs(static_cast<std::size_t>(size_));
-  const int count = static_cast<int>(n);
-  check_mpi(MPI_Allgather(&count, 1, MPI_INT, counts.data(), 1, MPI_INT, comm_), "Allgather");
+namespace {
+
+// The byte counts of every rank and where each starts in the concatenation.
+struct Layout {
+  std::vector<int> counts, displs;
   std::int64_t total = 0;
-  for (int r = 0; r < size_; ++r) {
-    displs[static_cast<std::size_t>(r)] = static_cast<int>(total);
-    total += counts[static_cast<std::size_t>(r)];
+};
+
+Layout layout_of(std::vector<int> counts) {
+  Layout l{std::move(counts), {}, 0};
+  for (int c : l.counts) {
+    l.displs.push_back(static_cast<int>(l.total));
+    l.total += c;
   }
-  require(total <= INT32_MAX, Errc::invalid_argument, "all_gather of ", total, " bytes exceeds MPI's int counts");
-  std::vector<std::byte> all(static_cast<std::size_t>(total));
-  check_mpi(MPI_Allgatherv(mine.data(), count, MPI_BYTE, all.data(), counts.data(), displs.data(), MPI_BYTE, comm_),
-            "Allgatherv");
-  std::vector<std::vector<std::byte>> out(static_cast<std::size_t>(size_));
-  for (int r = 0; r < size_; ++r) {
-    const auto* first = all.data() + displs[static_cast<std::size_t>(r)];
-    out[static_cast<std::size_t>(r)].assign(first, first + counts[static_cast<std::size_t>(r)]);
+  require(l.total <= INT32_MAX, Errc::invalid_argument, "a collective of ", l.total, " bytes exceeds MPI's int counts");
+  return l;
+}
+
+int count_of(std::span<const std::byte> mine) {
+  require(mine.size() <= INT32_MAX, Errc::invalid_argument, "a collective of ", mine.size(),
+          " bytes exceeds MPI's int counts");
+  return static_cast<int>(mine.size());
+}
+
+std::vector<std::vector<std::byte>> split(const std::vector<std::byte>& all, const Layout& l) {
+  std::vector<std::vector<std::byte>> out(l.counts.size());
+  for (std::size_t r = 0; r < out.size(); ++r) {
+    const auto* first = all.data() + l.displs[r];
+    out[r].assign(first, first + l.counts[r]);
   }
   return out;
+}
+
+}  // namespace
+
+std::vector<std::vector<std::byte>> MpiGroup::all_gather(std::span<const std::byte> mine) {
+  const int count = count_of(mine);
+  std::vector<int> counts(static_cast<std::size_t>(size_));
+  check_mpi(MPI_Allgather(&count, 1, MPI_INT, counts.data(), 1, MPI_INT, comm_), "Allgather");
+  const Layout l = layout_of(std::move(counts));
+  std::vector<std::byte> all(static_cast<std::size_t>(l.total));
+  check_mpi(MPI_Allgatherv(mine.data(), count, MPI_BYTE, all.data(), l.counts.data(), l.displs.data(), MPI_BYTE, comm_),
+            "Allgatherv");
+  return split(all, l);
+}
+
+std::vector<std::vector<std::byte>> MpiGroup::gather(std::span<const std::byte> mine, int root) {
+  require(root >= 0 && root < size_, Errc::invalid_argument, "gather root ", root, " is outside a group of ", size_);
+  const int count = count_of(mine);
+  std::vector<int> counts(rank_ == root ? static_cast<std::size_t>(size_) : 0);
+  check_mpi(MPI_Gather(&count, 1, MPI_INT, counts.data(), 1, MPI_INT, root, comm_), "Gather");
+  if (rank_ != root) {
+    check_mpi(MPI_Gatherv(mine.data(), count, MPI_BYTE, nullptr, nullptr, nullptr, MPI_BYTE, root, comm_), "Gatherv");
+    return {};
+  }
+  const Layout l = layout_of(std::move(counts));
+  std::vector<std::byte> all(static_cast<std::size_t>(l.total));
+  check_mpi(
+      MPI_Gatherv(mine.data(), count, MPI_BYTE, all.data(), l.counts.data(), l.displs.data(), MPI_BYTE, root, comm_),
+      "Gatherv");
+  return split(all, l);
 }
 
 std::vector<std::byte> MpiGroup::broadcast(std::span<const std::byte> bytes, int root) {

@@ -1,4 +1,5 @@
 module;
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -30,6 +31,30 @@ std::string where(const ShardedParam& p) {
 }
 
 std::vector<std::int64_t> count_of(const Extents& shape) { return shape.to_vector(); }
+
+// Chunks of at most this many bytes (HDF5 caps a chunk at 4 GiB).
+constexpr std::int64_t max_chunk_bytes = std::int64_t{1} << 30;
+
+// The chunk dims of a dataset whose main pieces all split dim 1 into equal, aligned bands (row-parallel
+// weights under TP): one band wide, as many rows as fit, so that each band's rows are contiguous bytes
+// in the file. Empty (contiguous) for everything else.
+std::vector<std::int64_t> band_chunk(const std::vector<const Claim*>& claims) {
+  const std::vector<std::int64_t>& shape = claims.front()->global_shape;
+  if (shape.size() < 2 || shape[0] == 0) return {};
+  std::int64_t width = 0;
+  for (const Claim* c : claims) {
+    if (!c->main_replica || c->count[0] == 0) continue;
+    if (width == 0) width = c->count[1];
+    if (c->count[1] != width || width == 0 || c->global_offset[1] % width != 0) return {};
+  }
+  if (width == 0 || width == shape[1] || shape[1] % width != 0) return {};
+  std::vector<std::int64_t> chunk = shape;
+  chunk[1] = width;
+  std::int64_t row_bytes = static_cast<std::int64_t>(dtype_size(claims.front()->dtype)) * width;
+  for (std::size_t d = 2; d < shape.size(); ++d) row_bytes *= shape[d];
+  chunk[0] = std::clamp<std::int64_t>(max_chunk_bytes / row_bytes, 1, shape[0]);
+  return chunk;
+}
 
 // Checks that the checkpoint's dataset can serve a slab of `dtype` at `global_shape`.
 void check_dataset(const DatasetInfo& d, DType dtype, std::span<const std::int64_t> global_shape,
@@ -217,11 +242,14 @@ std::vector<Claim> claims_of(const SavePlan& plan, int rank) {
 }
 
 std::vector<DatasetSpec> datasets_of(std::span<const Claim> claims) {
-  std::map<std::string_view, const Claim*> first;
-  for (const Claim& c : claims) first.emplace(c.key, &c);
+  std::map<std::string_view, std::vector<const Claim*>> by_key;
+  for (const Claim& c : claims) by_key[c.key].push_back(&c);
   std::vector<DatasetSpec> out;
-  out.reserve(first.size());
-  for (const auto& [key, c] : first) out.push_back({c->key, c->dtype, c->global_shape, std::nullopt, false});
+  out.reserve(by_key.size());
+  for (const auto& [key, list] : by_key) {
+    const Claim& c = *list.front();
+    out.push_back({c.key, c.dtype, c.global_shape, std::nullopt, false, band_chunk(list)});
+  }
   return out;
 }
 
@@ -274,9 +302,9 @@ void save_local(const StateDict& state, const fs::path& path, IoMethod method) {
   const SavePlan plan = prepare_save(state);
   std::vector<DatasetSpec> specs;
   for (const SaveItem& i : plan.items)
-    specs.push_back({i.key, i.dtype, i.count, PiecePlacement{i.global_shape, i.global_offset}, false});
+    specs.push_back({i.key, i.dtype, i.count, PiecePlacement{i.global_shape, i.global_offset}, false, {}});
   for (const Placeholder& p : plan.placeholders)
-    specs.push_back({p.key, p.dtype, p.shape.to_vector(), std::nullopt, true});
+    specs.push_back({p.key, p.dtype, p.shape.to_vector(), std::nullopt, true, {}});
   const fs::path partial = partial_path(path);
   try {
     const std::vector<DatasetInfo> infos =

@@ -44,8 +44,10 @@ float pattern_value(std::uint64_t seed) noexcept { return static_cast<float>(see
 // The element as the model's dtype stores it.
 template <class T>
 T stored(float v) noexcept {
-  if constexpr (std::is_same_v<T, float>) return v;
-  else return to_bf16(v);
+  if constexpr (std::is_same_v<T, float>)
+    return v;
+  else
+    return to_bf16(v);
 }
 
 template <class T>
@@ -189,7 +191,8 @@ Verification verify(const ModelConfig& config, const Layout& layout, int rank, c
     for_each_row(plan, [&](const Piece& p, std::int64_t r, std::uint64_t seed, std::int64_t n) {
       const TensorView row = rows.rows(p.shard_row + r, p.shard_row + r + 1);
       const std::int64_t bad = f32 ? first_difference<float>(row, seed) : first_difference<bf16>(row, seed);
-      if (bad >= 0) mismatch(cat(p.key, ": shard row ", p.shard_row + r, " element ", bad, " differs from the pattern"));
+      if (bad >= 0)
+        mismatch(cat(p.key, ": shard row ", p.shard_row + r, " element ", bad, " differs from the pattern"));
       v.values += n;
     });
     const TensorView pad = rows.rows(plan.real_rows, want.rows());
@@ -213,7 +216,8 @@ std::int64_t gather_save(const ModelConfig& config, const Layout& layout, const 
   std::vector<DatasetSpec> datasets;
   std::vector<ParamRecord> records;
   for (const ParamSpec& spec : specs) {
-    for (const Block& b : blocks(spec)) datasets.push_back({b.key, config.dtype, b.global_shape, std::nullopt, false});
+    for (const Block& b : blocks(spec))
+      datasets.push_back({b.key, config.dtype, b.global_shape, std::nullopt, false, {}});
     records.push_back(record_of(spec));
   }
   const std::filesystem::path partial = partial_path(path);

@@ -351,22 +351,6 @@ void require_key(std::string_view key) {
           "' cannot name a dataset: it must be non-empty, contain no '/' and not start with '_'");
 }
 
-// Slab geometry in bytes for the direct path: `rows` runs of `run` bytes, `stride` apart from `first`.
-struct ByteSlab {
-  std::uint64_t first = 0;
-  std::size_t run = 0;
-  std::size_t stride = 0;
-  std::int64_t rows = 0;
-};
-
-ByteSlab byte_slab(const DatasetInfo& d, const Box& box) {
-  std::int64_t row_elems = 1;
-  for (std::size_t i = 1; i < d.shape.size(); ++i) row_elems *= d.shape[i];
-  const std::size_t es = dtype_size(d.dtype);
-  return {*d.address + static_cast<std::uint64_t>(box.rows.begin * row_elems + box.cols.begin) * es,
-          static_cast<std::size_t>(box.cols.size()) * es, static_cast<std::size_t>(row_elems) * es, box.rows.size()};
-}
-
 // Checks a slab against its dataset and the caller's tensor; returns the slab's footprint.
 Box check_slab(const DatasetInfo& d, std::span<const std::int64_t> offset, std::span<const std::int64_t> count,
                DType dtype, std::size_t bytes) {
@@ -396,14 +380,84 @@ void transfer_all(Transfer transfer, int fd, Ptr p, std::size_t n, std::uint64_t
   }
 }
 
-// Moves a slab between memory (its rows packed) and the file: one transfer when the slab's rows
-// are whole dataset rows, else one per row.
+// Moves a slab between memory (its rows packed) and the file, extent by extent: one transfer where
+// the slab's rows and the extent's rows are the same bytes wide, else one per row.
 template <class Transfer, class Ptr>
-void transfer_slab(Transfer transfer, int fd, Ptr p, const ByteSlab& s, const fs::path& file, std::string_view what) {
-  if (s.run == s.stride)
-    return transfer_all(transfer, fd, p, s.run * static_cast<std::size_t>(s.rows), s.first, file, what);
-  for (std::int64_t r = 0; r < s.rows; ++r, p += s.run)
-    transfer_all(transfer, fd, p, s.run, s.first + static_cast<std::uint64_t>(r) * s.stride, file, what);
+void transfer_slab(Transfer transfer, int fd, Ptr p, const DatasetInfo& d, const Box& slab, const fs::path& file,
+                   std::string_view what) {
+  const auto es = static_cast<std::int64_t>(dtype_size(d.dtype));
+  const std::int64_t mem_stride = slab.cols.size() * es;
+  for (const Extent& e : d.extents) {
+    const Box hit = slab.intersect(e.box);
+    if (hit.empty()) continue;
+    const std::int64_t file_stride = e.box.cols.size() * es, run = hit.cols.size() * es;
+    const std::uint64_t at =
+        e.address +
+        static_cast<std::uint64_t>(
+            ((hit.rows.begin - e.box.rows.begin) * e.box.cols.size() + hit.cols.begin - e.box.cols.begin) * es);
+    const Ptr mem = p + ((hit.rows.begin - slab.rows.begin) * slab.cols.size() + hit.cols.begin - slab.cols.begin) * es;
+    if (run == file_stride && run == mem_stride) {
+      transfer_all(transfer, fd, mem, static_cast<std::size_t>(run * hit.rows.size()), at, file, what);
+      continue;
+    }
+    for (std::int64_t r = 0; r < hit.rows.size(); ++r)
+      transfer_all(transfer, fd, mem + r * mem_stride, static_cast<std::size_t>(run),
+                   at + static_cast<std::uint64_t>(r * file_stride), file, what);
+  }
+}
+
+// Chunk lists longer than this (small chunks written by other tools) are read through HDF5.
+constexpr hsize_t max_direct_chunks = 1 << 16;
+
+// Where the raw data of an open dataset lies, when the direct path may use it: stored unfiltered in
+// exactly the library's type, allocated in full, split (if chunked) along dims 0 and 1 only.
+std::vector<Extent> extents_of(hid_t set, hid_t type, const std::vector<std::int64_t>& shape, DType dtype,
+                               const Where& w) {
+  const Box whole =
+      footprint(Claim{std::string(w.key), dtype, shape, std::vector<std::int64_t>(shape.size(), 0), shape, 0, true});
+  if (whole.empty() || H5Tequal(type, h5_type(dtype).get()) <= 0) return {};
+  Hid dcpl = owned(H5Dget_create_plist(set), H5Pclose, w);
+  std::vector<Extent> out;
+  const H5D_layout_t layout = H5Pget_layout(dcpl.get());
+  if (layout == H5D_CONTIGUOUS) {
+    const haddr_t addr = H5Dget_offset(set);
+    H5Eclear2(H5E_DEFAULT);  // an unallocated dataset has no address: not an error here
+    if (addr != HADDR_UNDEF) out.push_back({whole, addr});
+    return out;
+  }
+  if (layout != H5D_CHUNKED || check(H5Pget_nfilters(dcpl.get()), w) != 0) return {};
+  const std::size_t rank = shape.size();
+  std::vector<hsize_t> dims(rank);
+  check(H5Pget_chunk(dcpl.get(), static_cast<int>(rank), dims.data()), w);
+  std::int64_t inner = 1;
+  for (std::size_t d = 2; d < rank; ++d) {
+    if (static_cast<std::int64_t>(dims[d]) != shape[d]) return {};
+    inner *= shape[d];
+  }
+  const std::int64_t chunk_cols = (rank > 1 ? static_cast<std::int64_t>(dims[1]) : 1) * inner;
+  const auto chunk_bytes = static_cast<hsize_t>(static_cast<std::int64_t>(dims[0]) * chunk_cols) * dtype_size(dtype);
+  Hid space = owned(H5Dget_space(set), H5Sclose, w);
+  hsize_t chunks = 0;
+  check(H5Dget_num_chunks(set, space.get(), &chunks), w);
+  if (chunks > max_direct_chunks) return {};
+  std::int64_t covered = 0;
+  std::vector<hsize_t> offset(rank);
+  for (hsize_t i = 0; i < chunks; ++i) {
+    unsigned filters = 0;
+    haddr_t addr = HADDR_UNDEF;
+    hsize_t size = 0;
+    check(H5Dget_chunk_info(set, space.get(), i, offset.data(), &filters, &addr, &size), w);
+    if (addr == HADDR_UNDEF || size != chunk_bytes) return {};
+    const auto row = static_cast<std::int64_t>(offset[0]);
+    const std::int64_t col = rank > 1 ? static_cast<std::int64_t>(offset[1]) * inner : 0;
+    const Box box{{row, row + static_cast<std::int64_t>(dims[0])}, {col, col + chunk_cols}};
+    const Box mine = box.intersect(whole);
+    covered += mine.rows.size() * mine.cols.size();
+    out.push_back({box, addr});
+  }
+  // Chunks never written are not allocated: then part of the data has no address.
+  if (covered != whole.rows.size() * whole.cols.size()) return {};
+  return out;
 }
 
 void select_slab(hid_t space, std::span<const std::int64_t> offset, std::span<const std::int64_t> count,
@@ -448,17 +502,22 @@ std::vector<DatasetInfo> create_skeleton(const fs::path& path, std::span<const D
       std::visit([&](const auto& v) { write_attr(common.get(), key.c_str(), v, w); }, value);
     }
   }
-  // Contiguous, allocated now, never filled: every byte of a dataset has a fixed file address
-  // before any rank writes, and HDF5 spends no time writing fill values that pieces overwrite.
-  Hid dcpl = owned(H5Pcreate(H5P_DATASET_CREATE), H5Pclose, w);
-  check(H5Pset_layout(dcpl.get(), H5D_CONTIGUOUS), w);
-  check(H5Pset_alloc_time(dcpl.get(), H5D_ALLOC_TIME_EARLY), w);
-  check(H5Pset_fill_time(dcpl.get(), H5D_FILL_TIME_NEVER), w);
   std::vector<DatasetInfo> out;
   out.reserve(datasets.size());
   for (const DatasetSpec& d : datasets) {
     require_key(d.key);
     const Where dw{path, d.key, "create the dataset"};
+    // Allocated now and never filled: every byte of a dataset has a fixed file address before any
+    // rank writes, and HDF5 spends no time writing fill values that pieces overwrite.
+    Hid dcpl = owned(H5Pcreate(H5P_DATASET_CREATE), H5Pclose, dw);
+    if (d.chunk.empty()) {
+      check(H5Pset_layout(dcpl.get(), H5D_CONTIGUOUS), dw);
+    } else {
+      const auto chunk = to_hsize(d.chunk);
+      check(H5Pset_chunk(dcpl.get(), static_cast<int>(chunk.size()), chunk.data()), dw);
+    }
+    check(H5Pset_alloc_time(dcpl.get(), H5D_ALLOC_TIME_EARLY), dw);
+    check(H5Pset_fill_time(dcpl.get(), H5D_FILL_TIME_NEVER), dw);
     const auto dims = to_hsize(d.shape);
     Hid space = owned(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), H5Sclose, dw);
     Hid type = h5_type(d.dtype);
@@ -470,9 +529,8 @@ std::vector<DatasetInfo> create_skeleton(const fs::path& path, std::span<const D
       write_attr(set.get(), "global_offset", std::span<const std::int64_t>(d.placement->global_offset), dw);
     }
     if (d.placeholder) write_attr(set.get(), "placeholder", std::int64_t{1}, dw);
-    const haddr_t addr = H5Dget_offset(set.get());
-    out.push_back({d.key, d.dtype, d.shape, addr == HADDR_UNDEF ? std::nullopt : std::optional<std::uint64_t>(addr),
-                   d.placement, d.placeholder});
+    out.push_back(
+        {d.key, d.dtype, d.shape, extents_of(set.get(), type.get(), d.shape, d.dtype, dw), d.placement, d.placeholder});
   }
   check(H5Fflush(file.get(), H5F_SCOPE_GLOBAL), w);
   return out;
@@ -504,9 +562,8 @@ void PieceWriter::write(const DatasetInfo& d, std::span<const std::int64_t> offs
   if (src.empty()) return;
   Impl& m = *impl_;
   if (m.method == IoMethod::direct) {
-    require(d.address.has_value(), Errc::invalid_argument, "key ", d.key,
-            ": the direct path needs a contiguous dataset");
-    transfer_slab(::pwrite, m.fd.get(), src.data(), byte_slab(d, box), m.path, "write");
+    require(!d.extents.empty(), Errc::invalid_argument, "key ", d.key, ": the direct path needs a contiguous dataset");
+    transfer_slab(::pwrite, m.fd.get(), src.data(), d, box, m.path, "write");
     return;
   }
   const Where w{m.path, d.key, "write a piece"};
@@ -614,7 +671,7 @@ CheckpointReader::CheckpointReader(const fs::path& path) : impl_(std::make_uniqu
       m.contents.common.emplace(name, read_attr(common.get(), name, w));
     }
   }
-  // Every dataset at the root, with its dtype, shape and (when the direct path may use it) address.
+  // Every dataset at the root, with its dtype, shape and (when the direct path may use them) extents.
   std::vector<std::string> names;
   check(H5Literate(
             m.file.get(), H5_INDEX_NAME, H5_ITER_INC, nullptr,
@@ -641,16 +698,13 @@ CheckpointReader::CheckpointReader(const fs::path& path) : impl_(std::make_uniqu
     const int rank = check(H5Sget_simple_extent_ndims(space.get()), dw);
     std::vector<hsize_t> dims(static_cast<std::size_t>(rank));
     check(H5Sget_simple_extent_dims(space.get(), dims.data(), nullptr), dw);
-    DatasetInfo info{name, *dtype, {dims.begin(), dims.end()}, std::nullopt, std::nullopt, false};
-    Hid dcpl = owned(H5Dget_create_plist(set.get()), H5Pclose, dw);
-    Hid ours = h5_type(*dtype);
-    const haddr_t addr = H5Dget_offset(set.get());
-    H5Eclear2(H5E_DEFAULT);
-    if (H5Pget_layout(dcpl.get()) == H5D_CONTIGUOUS && addr != HADDR_UNDEF && H5Tequal(type.get(), ours.get()) > 0) {
-      const std::uint64_t bytes = static_cast<std::uint64_t>(elements(info.shape)) * dtype_size(*dtype);
-      if (addr + bytes > static_cast<std::uint64_t>(st.st_size))
-        refuse(cat("dataset ", name, " ends at byte ", addr + bytes, " but the file has ", st.st_size, " (truncated)"));
-      info.address = addr;
+    DatasetInfo info{name, *dtype, {dims.begin(), dims.end()}, {}, std::nullopt, false};
+    info.extents = extents_of(set.get(), type.get(), info.shape, *dtype, dw);
+    for (const Extent& e : info.extents) {
+      const std::uint64_t end =
+          e.address + static_cast<std::uint64_t>(e.box.rows.size() * e.box.cols.size()) * dtype_size(*dtype);
+      if (end > static_cast<std::uint64_t>(st.st_size))
+        refuse(cat("dataset ", name, " ends at byte ", end, " but the file has ", st.st_size, " (truncated)"));
     }
     if (has_attr(set.get(), "global_offset", dw))
       info.placement =
@@ -680,11 +734,11 @@ void CheckpointReader::read(const DatasetInfo& d, std::span<const std::int64_t> 
   const Box box = check_slab(d, offset, count, dst.dtype(), dst.bytes());
   if (dst.empty()) return;
   const Impl& m = *impl_;
-  if (method == IoMethod::direct && d.address) {
-    transfer_slab(::pread, m.fd.get(), dst.data(), byte_slab(d, box), m.path, "read");
+  if (method == IoMethod::direct && !d.extents.empty()) {
+    transfer_slab(::pread, m.fd.get(), dst.data(), d, box, m.path, "read");
     return;
   }
-  // Datasets the direct path cannot address (chunked, another byte order) go through HDF5.
+  // Datasets the direct path cannot address (filtered, small chunks, another byte order) go through HDF5.
   const Where w{m.path, d.key, "read a piece"};
   Hid set = owned(H5Dopen2(m.file.get(), d.key.c_str(), H5P_DEFAULT), H5Dclose, w);
   Hid fspace = owned(H5Dget_space(set.get()), H5Sclose, w);

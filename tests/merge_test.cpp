@@ -339,7 +339,7 @@ TEST(Errors, BadRequestsAreTypedAndChangeNothing) {
 
   EXPECT_EQ(error_of([&] { (void)load(dir / "nothing.h5", missing); }).code(), Errc::not_a_checkpoint);
   EXPECT_EQ(error_of([&] { (void)load_local(dir / "a.h5", missing); }).code(), Errc::not_a_checkpoint);
-  EXPECT_EQ(file_bytes(dir / "a.h5"), bytes);
+  EXPECT_TRUE(file_bytes(dir / "a.h5") == bytes);
 }
 
 TEST(Errors, AShardThatDoesNotFitItsSectionsStopsTheSaveAndKeepsTheEarlierCheckpoint) {
@@ -354,7 +354,7 @@ TEST(Errors, AShardThatDoesNotFitItsSectionsStopsTheSaveAndKeepsTheEarlierCheckp
   const Error e = error_of([&] { save(s, dir / "a.h5"); });
   EXPECT_EQ(e.code(), Errc::shape_mismatch);
   EXPECT_NE(std::string(e.what()).find("(TP rank 0, GTP rank 0): the shard has shape"), std::string::npos) << e.what();
-  EXPECT_EQ(file_bytes(dir / "a.h5"), bytes);
+  EXPECT_TRUE(file_bytes(dir / "a.h5") == bytes);
   EXPECT_FALSE(std::filesystem::exists(partial_path(dir / "a.h5")));
 }
 
