@@ -136,7 +136,9 @@ class CheckpointReader {
 
   const std::filesystem::path& path() const noexcept;
   const CheckpointContents& contents() const noexcept;
-  const std::vector<DatasetInfo>& datasets() const noexcept;
+  // Every dataset, in key order. Headers are read on first use, so these throw
+  // Errc::not_a_checkpoint for a dataset that is truncated or of a type the library does not store.
+  const std::vector<DatasetInfo>& datasets() const;
   // Throws Errc::missing_key.
   const DatasetInfo& dataset(std::string_view key) const;
 

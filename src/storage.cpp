@@ -10,6 +10,7 @@ module;
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <span>
@@ -616,13 +617,24 @@ void discard(const fs::path& partial) noexcept {
   fs::remove(partial, ec);
 }
 
+// Dataset headers are read on first use: a rank that loads a few keys of a checkpoint of thousands
+// opens only those (in-process ranks share HDF5's one lock).
 struct CheckpointReader::Impl {
+  struct Entry {
+    bool read = false;
+    std::optional<DatasetInfo> info;
+  };
   fs::path path;
   Hid file;
   Fd fd;
+  std::uint64_t file_size = 0;
   CheckpointContents contents;
-  std::vector<DatasetInfo> datasets;
-  std::map<std::string, std::size_t, std::less<>> index;
+  std::mutex mutex;  // guards index and all
+  std::map<std::string, Entry, std::less<>> index;
+  std::optional<std::vector<DatasetInfo>> all;
+
+  std::optional<DatasetInfo> header(const std::string& name) const;
+  const DatasetInfo* find(std::string_view key);
 };
 
 CheckpointReader::CheckpointReader(const fs::path& path) : impl_(std::make_unique<Impl>()) {
@@ -684,35 +696,51 @@ CheckpointReader::CheckpointReader(const fs::path& path) : impl_(std::make_uniqu
   m.fd = open_fd(path, O_RDONLY);
   struct stat st{};
   if (::fstat(m.fd.get(), &st) != 0) fail_os("inspect", path);
-  for (const std::string& name : names) {
-    if (name == meta_group) continue;
-    const Where dw{path, name, "read the dataset header"};
-    H5O_info_t object;
-    check(H5Oget_info_by_name2(m.file.get(), name.c_str(), &object, H5O_INFO_BASIC, H5P_DEFAULT), dw);
-    if (object.type != H5O_TYPE_DATASET) continue;  // groups others added are not tensors
-    Hid set = owned(H5Dopen2(m.file.get(), name.c_str(), H5P_DEFAULT), H5Dclose, dw);
-    Hid type = owned(H5Dget_type(set.get()), H5Tclose, dw);
-    const auto dtype = dtype_of_h5(type.get());
-    if (!dtype) refuse(cat("dataset ", name, " has a type shardckpt does not store"));
-    Hid space = owned(H5Dget_space(set.get()), H5Sclose, dw);
-    const int rank = check(H5Sget_simple_extent_ndims(space.get()), dw);
-    std::vector<hsize_t> dims(static_cast<std::size_t>(rank));
-    check(H5Sget_simple_extent_dims(space.get(), dims.data(), nullptr), dw);
-    DatasetInfo info{name, *dtype, {dims.begin(), dims.end()}, {}, std::nullopt, false};
-    info.extents = extents_of(set.get(), type.get(), info.shape, *dtype, dw);
-    for (const Extent& e : info.extents) {
-      const std::uint64_t end =
-          e.address + static_cast<std::uint64_t>(e.box.rows.size() * e.box.cols.size()) * dtype_size(*dtype);
-      if (end > static_cast<std::uint64_t>(st.st_size))
-        refuse(cat("dataset ", name, " ends at byte ", end, " but the file has ", st.st_size, " (truncated)"));
-    }
-    if (has_attr(set.get(), "global_offset", dw))
-      info.placement =
-          PiecePlacement{read_i64s(set.get(), "global_shape", dw), read_i64s(set.get(), "global_offset", dw)};
-    info.placeholder = has_attr(set.get(), "placeholder", dw);
-    m.index.emplace(name, m.datasets.size());
-    m.datasets.push_back(std::move(info));
+  m.file_size = static_cast<std::uint64_t>(st.st_size);
+  for (std::string& name : names)
+    if (name != meta_group) m.index.try_emplace(std::move(name));
+}
+
+// Reads one dataset's header: nullopt for an object that is not a dataset (a group someone added).
+std::optional<DatasetInfo> CheckpointReader::Impl::header(const std::string& name) const {
+  const Where dw{path, name, "read the dataset header"};
+  const auto refuse = [&](std::string_view why) {
+    throw Error(Errc::not_a_checkpoint, cat(path.string(), " is not a shardckpt checkpoint: dataset ", name, " ", why));
+  };
+  H5O_info_t object;
+  check(H5Oget_info_by_name2(file.get(), name.c_str(), &object, H5O_INFO_BASIC, H5P_DEFAULT), dw);
+  if (object.type != H5O_TYPE_DATASET) return std::nullopt;
+  Hid set = owned(H5Dopen2(file.get(), name.c_str(), H5P_DEFAULT), H5Dclose, dw);
+  Hid type = owned(H5Dget_type(set.get()), H5Tclose, dw);
+  const auto dtype = dtype_of_h5(type.get());
+  if (!dtype) refuse("has a type shardckpt does not store");
+  Hid space = owned(H5Dget_space(set.get()), H5Sclose, dw);
+  const int rank = check(H5Sget_simple_extent_ndims(space.get()), dw);
+  std::vector<hsize_t> dims(static_cast<std::size_t>(rank));
+  check(H5Sget_simple_extent_dims(space.get(), dims.data(), nullptr), dw);
+  DatasetInfo info{name, *dtype, {dims.begin(), dims.end()}, {}, std::nullopt, false};
+  info.extents = extents_of(set.get(), type.get(), info.shape, *dtype, dw);
+  for (const Extent& e : info.extents) {
+    const std::uint64_t end =
+        e.address + static_cast<std::uint64_t>(e.box.rows.size() * e.box.cols.size()) * dtype_size(*dtype);
+    if (end > file_size) refuse(cat("ends at byte ", end, " but the file has ", file_size, " (truncated)"));
   }
+  if (has_attr(set.get(), "global_offset", dw))
+    info.placement =
+        PiecePlacement{read_i64s(set.get(), "global_shape", dw), read_i64s(set.get(), "global_offset", dw)};
+  info.placeholder = has_attr(set.get(), "placeholder", dw);
+  return info;
+}
+
+const DatasetInfo* CheckpointReader::Impl::find(std::string_view key) {
+  const auto it = index.find(key);
+  if (it == index.end()) return nullptr;
+  Entry& e = it->second;
+  if (!e.read) {
+    e.info = header(it->first);
+    e.read = true;
+  }
+  return e.info ? &*e.info : nullptr;
 }
 
 CheckpointReader::CheckpointReader(CheckpointReader&&) noexcept = default;
@@ -721,12 +749,24 @@ CheckpointReader::~CheckpointReader() = default;
 
 const fs::path& CheckpointReader::path() const noexcept { return impl_->path; }
 const CheckpointContents& CheckpointReader::contents() const noexcept { return impl_->contents; }
-const std::vector<DatasetInfo>& CheckpointReader::datasets() const noexcept { return impl_->datasets; }
+const std::vector<DatasetInfo>& CheckpointReader::datasets() const {
+  Impl& m = *impl_;
+  const std::lock_guard lock(m.mutex);
+  if (!m.all) {
+    std::vector<DatasetInfo> all;
+    for (const auto& [name, entry] : m.index)
+      if (const DatasetInfo* d = m.find(name)) all.push_back(*d);
+    m.all = std::move(all);
+  }
+  return *m.all;
+}
 
 const DatasetInfo& CheckpointReader::dataset(std::string_view key) const {
-  const auto it = impl_->index.find(key);
-  require(it != impl_->index.end(), Errc::missing_key, "key ", key, " is not in ", impl_->path.string());
-  return impl_->datasets[it->second];
+  Impl& m = *impl_;
+  const std::lock_guard lock(m.mutex);
+  const DatasetInfo* d = m.find(key);
+  require(d != nullptr, Errc::missing_key, "key ", key, " is not in ", m.path.string());
+  return *d;
 }
 
 void CheckpointReader::read(const DatasetInfo& d, std::span<const std::int64_t> offset,
