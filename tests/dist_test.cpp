@@ -239,3 +239,32 @@ TEST(Groups, ThreadGroupCollectivesDeliverEveryRanksBytes) {
     }
   });
 }
+
+// Rank 0 validates large claim sets part by part; every part is checked, whichever holds the fault.
+TEST(Validation, ManyClaimsAreCheckedPartByPart) {
+  ScratchDir dir;
+  constexpr int tensors = 9000;  // x 2 ranks: more claims than one part holds
+  for (const int bad : {-1, 4321}) {
+    std::vector<std::string> messages;
+    const auto codes = outcomes(
+        2,
+        [&](ProcessGroup& g) {
+          HostBuffer b = HostBuffer::zeros(DType::f32, {1, 1});
+          StateDict s;
+          for (int t = 0; t < tensors; ++t) {
+            const std::int64_t row = t == bad ? 0 : g.rank();  // tensor `bad`: both ranks claim row 0
+            s.add(ShardedTensor::of("t" + std::to_string(t), b.view(), {2, 1}, {row, 0}));
+          }
+          save(s, dir / "many.h5", g);
+        },
+        &messages);
+    for (const auto& code : codes) EXPECT_EQ(code, bad < 0 ? std::nullopt : std::optional<Errc>(Errc::tiling));
+    if (bad < 0) {
+      EXPECT_EQ(CheckpointReader(dir / "many.h5").datasets().size(), static_cast<std::size_t>(tensors));
+    } else {
+      ASSERT_FALSE(messages.empty());
+      EXPECT_NE(messages[0].find("key t4321: rows [0, 1) are saved by both rank 0 and rank 1"), std::string::npos)
+          << messages[0];
+    }
+  }
+}
