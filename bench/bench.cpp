@@ -316,8 +316,11 @@ struct PlanFigures {
   double pieces_per_rank = 0;
   double full_us_per_rank = 0;      // prepare_save + claims_of of one rank's whole state dict
   std::size_t world_claims = 0;
-  std::int64_t world_claims_bytes = 0;  // memory the world's claims take as Claim values (every rank holds them in a save)
-  double validate_ms = 0;           // validate_claims of every rank's claims (each rank does it once per save)
+  std::int64_t world_claims_bytes = 0;  // memory the world's claims take as Claim values, all at once
+  std::int64_t world_claims_encoded_bytes = 0;  // the same claims as rank 0 receives them in a save
+  std::int64_t rank0_part_bytes = 0;    // Claim values rank 0 holds at a time (parts of 16k claims)
+  std::int64_t rank_bytes = 0;          // bytes rank 0 saves at the seed's scale
+  double validate_ms = 0;           // validate_claims of every rank's claims (rank 0, once per save)
 };
 
 PlanFigures plan_seed_scale() {
@@ -363,6 +366,7 @@ PlanFigures plan_seed_scale() {
   const std::int64_t rss0 = proc_status_bytes("VmRSS:");
   std::vector<Claim> claims;
   double full = 0;
+  std::int64_t rank0_bytes = 0;
   for (int r = 0; r < ranks; ++r) {
     StateDict state;
     for (const ParamSpec& spec : all) {
@@ -371,13 +375,25 @@ PlanFigures plan_seed_scale() {
       state.add(std::move(p));
     }
     std::vector<Claim> mine;
-    full += timed([&] { mine = claims_of(prepare_save(state), r); });
+    full += timed([&] {
+      const SavePlan plan = prepare_save(state);
+      mine = claims_of(plan, r);
+      if (r == 0)
+        for (const SaveItem& i : plan.items) rank0_bytes += static_cast<std::int64_t>(i.data.bytes());
+    });
     claims.insert(claims.end(), std::make_move_iterator(mine.begin()), std::make_move_iterator(mine.end()));
   }
   f.full_us_per_rank = full * 1e6 / ranks;
   f.world_claims = claims.size();
   claims.shrink_to_fit();
   f.world_claims_bytes = proc_status_bytes("VmRSS:") - rss0;
+  f.rank_bytes = rank0_bytes;
+  // What rank 0 holds in a save: every rank's claims as sent (src/dist.cpp's encoding: key, dtype,
+  // three dim lists, replica flag) and one part of them at a time as Claim values.
+  for (const Claim& c : claims)
+    f.world_claims_encoded_bytes += static_cast<std::int64_t>(8 + c.key.size() + 1 + 3 * (8 + 8 * c.global_shape.size()) + 1);
+  f.rank0_part_bytes = f.world_claims_bytes * std::min<std::int64_t>(16 * 1024, static_cast<std::int64_t>(claims.size())) /
+                       static_cast<std::int64_t>(claims.size());
   f.validate_ms = timed([&] { validate_claims(claims); }) * 1e3;
   return f;
 }
@@ -512,9 +528,9 @@ int run(const Options& o) {
     pad_rows += m.pad_rows;
     plans.push_back(prepare_save(m.state));
   }
-  // Pieces, and the transfers they take on the direct path: one for a piece of whole dataset rows,
-  // one per row for a piece of a row-parallel weight (TP on dim 1), whose rows are strided in the file.
-  std::int64_t bytes = 0, transfers = 0, strided_bytes = 0, strided_rows = 0;
+  // Pieces, and how many belong to row-parallel weights (TP on dim 1): those datasets are stored
+  // chunked one TP band wide, so such a piece is one contiguous write like any other.
+  std::int64_t bytes = 0, row_parallel_pieces = 0, row_parallel_bytes = 0;
   std::size_t pieces = 0;
   for (const SavePlan& p : plans)
     for (const SaveItem& i : p.items) {
@@ -522,11 +538,8 @@ int run(const Options& o) {
       bytes += static_cast<std::int64_t>(i.data.bytes());
       ++pieces;
       if (i.count.size() > 1 && i.count[1] < i.global_shape[1]) {
-        transfers += i.count[0];
-        strided_rows += i.count[0];
-        strided_bytes += static_cast<std::int64_t>(i.data.bytes());
-      } else {
-        ++transfers;
+        ++row_parallel_pieces;
+        row_parallel_bytes += static_cast<std::int64_t>(i.data.bytes());
       }
     }
   require(bytes == saved_bytes(config), Errc::invalid_argument, "the pieces hold ", bytes, " bytes, the model ", saved_bytes(config));
@@ -661,9 +674,8 @@ int run(const Options& o) {
       {"shard_bytes", shard_bytes},
       {"pad_rows_not_written", pad_rows},
       {"pieces", pieces},
-      {"save_transfers", transfers},
-      {"strided_rows", strided_rows},
-      {"strided_bytes", strided_bytes},
+      {"row_parallel_pieces", row_parallel_pieces},
+      {"row_parallel_bytes", row_parallel_bytes},
       {"ranks", sl.ranks()},
       {"reshard_ranks", ll.ranks()},
       {"save_layout", layout_json(sl)},
@@ -710,6 +722,8 @@ int run(const Options& o) {
         {"groups", plan.dims.groups}, {"state", plan.dims.state}, {"householder", plan.dims.householder},
         {"pieces_per_rank", plan.pieces_per_rank}, {"prepare_save_all_params_us_per_rank", plan.full_us_per_rank},
         {"world_claims", plan.world_claims}, {"world_claims_bytes", plan.world_claims_bytes},
+        {"world_claims_encoded_bytes", plan.world_claims_encoded_bytes}, {"rank0_part_bytes", plan.rank0_part_bytes},
+        {"rank_bytes", plan.rank_bytes},
         {"validate_claims_ms", plan.validate_ms}}},
       {"targets_met", all_met},
   };
@@ -733,9 +747,8 @@ int run(const Options& o) {
                 config.gdp_layers, config.mamba_layers, static_cast<long long>(config.cols), static_cast<long long>(config.dims.heads),
                 static_cast<long long>(config.dims.head_dim), static_cast<long long>(config.dims.groups),
                 static_cast<long long>(config.dims.state), static_cast<long long>(config.dims.householder));
-    std::printf("  %lld positional writes per save, %lld of them rows of row-parallel weights (%s, %lld bytes a row)\n",
-                static_cast<long long>(transfers), static_cast<long long>(strided_rows), mib(strided_bytes).c_str(),
-                static_cast<long long>(strided_rows ? strided_bytes / strided_rows : 0));
+    std::printf("  %lld of the pieces belong to row-parallel weights (%s), stored chunked by TP band\n",
+                static_cast<long long>(row_parallel_pieces), mib(row_parallel_bytes).c_str());
     std::printf("  save at %s; reshard load at %s; thread ranks in one process\n", layout_text(sl).c_str(), layout_text(ll).c_str());
     std::printf("  directory %s; cache: %s; peak memory: %s\n  figures: medians of %d write and %d read rounds\n\n",
                 dir.c_str(), cache.method(), meter.method(), o.repeat, o.read_repeat);
@@ -785,10 +798,13 @@ int run(const Options& o) {
                 static_cast<long long>(plan.dims.groups), static_cast<long long>(plan.dims.state),
                 static_cast<long long>(plan.dims.householder), plan.blocks, plan.tp, plan.gtp,
                 static_cast<long long>(plan.align), plan.pieces_per_rank);
-    std::printf("  whole-model save planning per rank (prepare_save of %d params): %.1f us; the %zu claims of all %d ranks take %s\n"
-                "  and validating them (every rank does, once per save) %.1f ms\n",
-                plan.layers * 4, plan.full_us_per_rank, plan.world_claims, plan.tp * plan.gtp, mib(plan.world_claims_bytes).c_str(),
-                plan.validate_ms);
+    std::printf("  whole-model save planning per rank (prepare_save of %d params): %.1f us; the %zu claims of all %d ranks\n"
+                "  reach rank 0 as %s and are validated there, 16384 at a time (%s of Claim values; all at once: %s, %.1f ms);\n"
+                "  rank 0 saves %s there, so its budget is %s\n",
+                plan.layers * 4, plan.full_us_per_rank, plan.world_claims, plan.tp * plan.gtp,
+                mib(plan.world_claims_encoded_bytes).c_str(), mib(plan.rank0_part_bytes).c_str(),
+                mib(plan.world_claims_bytes).c_str(), plan.validate_ms, mib(plan.rank_bytes).c_str(),
+                mib(plan.rank_bytes / 100 + 16 * MiB).c_str());
     if (o.verify)
       std::printf("  verified %lld loaded values against the pattern: %s\n", static_cast<long long>(verified_values),
                   load_mismatch + reshard_mismatch ? "MISMATCH" : "all equal");

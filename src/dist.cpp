@@ -285,7 +285,8 @@ std::vector<DatasetSpec> validate_in_parts(const std::vector<std::span<const std
                                            CheckpointContents& contents) {
   std::int64_t total = 0;
   for (std::span<const std::byte> p : payloads) total += Reader(p).i64();
-  const auto parts = static_cast<std::size_t>(std::max<std::int64_t>(1, (total + claims_per_part - 1) / claims_per_part));
+  const auto parts =
+      static_cast<std::size_t>(std::max<std::int64_t>(1, (total + claims_per_part - 1) / claims_per_part));
   std::map<std::string, ParamRecord, std::less<>> records;
   std::vector<DatasetSpec> specs;
   for (std::size_t part = 0; part < parts; ++part) {

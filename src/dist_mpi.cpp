@@ -86,16 +86,25 @@ std::vector<std::vector<std::byte>> MpiGroup::gather(std::span<const std::byte> 
   const int count = count_of(mine);
   std::vector<int> counts(rank_ == root ? static_cast<std::size_t>(size_) : 0);
   check_mpi(MPI_Gather(&count, 1, MPI_INT, counts.data(), 1, MPI_INT, root, comm_), "Gather");
+  // Point to point, straight into each rank's buffer: a Gatherv would need one buffer of everything
+  // and then a copy of it, twice the memory at the one rank that holds every plan.
+  constexpr int tag = 0x5c;
   if (rank_ != root) {
-    check_mpi(MPI_Gatherv(mine.data(), count, MPI_BYTE, nullptr, nullptr, nullptr, MPI_BYTE, root, comm_), "Gatherv");
+    check_mpi(MPI_Send(mine.data(), count, MPI_BYTE, root, tag, comm_), "Send");
     return {};
   }
-  const Layout l = layout_of(std::move(counts));
-  std::vector<std::byte> all(static_cast<std::size_t>(l.total));
-  check_mpi(
-      MPI_Gatherv(mine.data(), count, MPI_BYTE, all.data(), l.counts.data(), l.displs.data(), MPI_BYTE, root, comm_),
-      "Gatherv");
-  return split(all, l);
+  std::vector<std::vector<std::byte>> out(static_cast<std::size_t>(size_));
+  for (int r = 0; r < size_; ++r) {
+    auto& buf = out[static_cast<std::size_t>(r)];
+    if (r == root) {
+      buf.assign(mine.begin(), mine.end());
+      continue;
+    }
+    buf.resize(static_cast<std::size_t>(counts[static_cast<std::size_t>(r)]));
+    check_mpi(MPI_Recv(buf.data(), counts[static_cast<std::size_t>(r)], MPI_BYTE, r, tag, comm_, MPI_STATUS_IGNORE),
+              "Recv");
+  }
+  return out;
 }
 
 std::vector<std::byte> MpiGroup::broadcast(std::span<const std::byte> bytes, int root) {
