@@ -607,22 +607,19 @@ int run(const Options& o) {
     cache.cold();
     raw_reused_r.push_back(timed([&] { (void)raw_read_reused(ckpt); }));
 
-    const bool verify_now = o.verify && rep == 0;
-    cache.cold();
-    LoadRun l = timed_load(ckpt, config, sl, meter, verify_now);
-    load_r.push_back(l.seconds);
-    load_peak = std::max(load_peak, l.peak_extra);
-    load_mismatch += l.mismatches;
-    verified_values += l.values;
-    if (l.mismatches && first_mismatch.empty()) first_mismatch = l.first_mismatch;
-
-    cache.cold();
-    LoadRun rl = timed_load(ckpt, config, ll, meter, verify_now);
-    reshard_r.push_back(rl.seconds);
-    reshard_peak = std::max(reshard_peak, rl.peak_extra);
-    reshard_mismatch += rl.mismatches;
-    verified_values += rl.values;
-    if (rl.mismatches && first_mismatch.empty()) first_mismatch = rl.first_mismatch;
+    // A load at `layout` from a cold cache, checked against the pattern in the first round.
+    auto load_at = [&](const model::Layout& layout, std::vector<double>& seconds, std::int64_t& peak,
+                       std::int64_t& mismatches) {
+      cache.cold();
+      const LoadRun l = timed_load(ckpt, config, layout, meter, o.verify && rep == 0);
+      seconds.push_back(l.seconds);
+      peak = std::max(peak, l.peak_extra);
+      mismatches += l.mismatches;
+      verified_values += l.values;
+      if (l.mismatches && first_mismatch.empty()) first_mismatch = l.first_mismatch;
+    };
+    load_at(sl, load_r, load_peak, load_mismatch);
+    load_at(ll, reshard_r, reshard_peak, reshard_mismatch);
   }
   const std::int64_t file_bytes = static_cast<std::int64_t>(fs::file_size(ckpt));
   if (!o.keep) remove_file(ckpt);
