@@ -70,7 +70,6 @@ class Reader {
     return v;
   }
   std::span<const std::byte> rest() { return take(in_.size() - pos_); }
-  bool done() const { return pos_ == in_.size(); }
 
  private:
   template <class T>
@@ -96,23 +95,23 @@ class Reader {
 
 // A step's outcome as sent to other ranks: 1 and the payload, or 0, the error code and the message.
 Bytes outcome(const std::function<Bytes()>& step) {
-  Writer w;
+  const auto failure = [](Errc code, std::string_view what) {
+    Writer w;
+    w.u8(0);
+    w.u8(static_cast<std::uint8_t>(code));
+    w.str(what);
+    return w.take();
+  };
   try {
-    Bytes payload = step();
+    Writer w;
     w.u8(1);
-    w.bytes(payload);
+    w.bytes(step());
+    return w.take();
   } catch (const Error& e) {
-    w = Writer();
-    w.u8(0);
-    w.u8(static_cast<std::uint8_t>(e.code()));
-    w.str(e.what());
+    return failure(e.code(), e.what());
   } catch (const std::exception& e) {
-    w = Writer();
-    w.u8(0);
-    w.u8(static_cast<std::uint8_t>(Errc::internal));
-    w.str(e.what());
+    return failure(Errc::internal, e.what());
   }
-  return w.take();
 }
 
 // The payload of one outcome, or its error rethrown as it was.
