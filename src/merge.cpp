@@ -30,8 +30,6 @@ std::string where(const ShardedParam& p) {
   return cat("parameter ", p.spec.key, " (TP rank ", p.coord.tp_rank, ", GTP rank ", p.coord.gtp_rank, ")");
 }
 
-std::vector<std::int64_t> count_of(const Extents& shape) { return shape.to_vector(); }
-
 // Chunks of at most this many bytes (HDF5 caps a chunk at 4 GiB).
 constexpr std::int64_t max_chunk_bytes = std::int64_t{1} << 30;
 
@@ -209,7 +207,7 @@ SavePlan prepare_save(const StateDict& state) {
     require(t.data.dtype() == t.dtype && t.data.shape() == t.shape, Errc::shape_mismatch, "tensor ", t.key,
             ": the data does not match the declared dtype and shape");
     out.items.push_back(
-        {t.key, t.dtype, t.global_shape, t.global_offset, count_of(t.shape), t.replica_id == 0, t.data});
+        {t.key, t.dtype, t.global_shape, t.global_offset, t.shape.to_vector(), t.replica_id == 0, t.data});
   }
   for (const ShardedParam& p : state.params()) {
     const RankPlan plan = plan_rank(p.spec, p.gtp, p.align, p.coord);
