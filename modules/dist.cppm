@@ -1,8 +1,8 @@
 // shardckpt.dist: many ranks, one checkpoint. A ProcessGroup offers the few collectives a save and
 // a load need; ThreadGroup runs ranks as threads of one process (tests, the demo, single-process
 // users), and shardckpt.dist.mpi / shardckpt.dist.nccl bring MPI and NCCL. save() gathers every
-// rank's plan and validates them together before a byte is written, lets one rank create the file
-// with every dataset at its global shape, has every rank write its own pieces concurrently, and
+// rank's plan at rank 0, which validates them together before a byte is written and creates the file
+// with every dataset at its global shape; every rank writes its own pieces concurrently, and rank 0
 // commits only when every rank succeeded: every rank returns the same outcome.
 module;
 #include <cstddef>

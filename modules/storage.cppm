@@ -2,7 +2,7 @@
 // every tensor key is a dataset at the root with its global shape, so h5ls, h5dump and h5py see
 // plain tensors; library metadata sits in the group /_shardckpt. Pieces are written straight from
 // the caller's memory into their place in a dataset, by HDF5 hyperslab writes or by positional
-// writes at the dataset's file address (the direct path); reads mirror them into the caller's rows.
+// writes at the file addresses of its data (the direct path); reads mirror them into the caller's rows.
 // Every HDF5 handle has an owner here; HDF5 errors become Error{Errc::hdf5} with file, key and
 // operation. This module never allocates a tensor and knows nothing of ranks or process groups.
 module;
@@ -93,7 +93,7 @@ enum class IoMethod : std::uint8_t { direct, hyperslab };
 std::filesystem::path partial_path(const std::filesystem::path& path);
 
 // Creates (truncating) the file at `path` with every dataset allocated at its full shape, unwritten,
-// and the metadata, but not marked complete. Returns the datasets with their file addresses.
+// and the metadata, but not marked complete. Returns the datasets with their extents.
 std::vector<DatasetInfo> create_skeleton(const std::filesystem::path& path, std::span<const DatasetSpec> datasets,
                                          const CheckpointContents& contents);
 
