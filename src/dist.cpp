@@ -155,7 +155,15 @@ Bytes decide_at_root(ProcessGroup& group, std::string_view phase, const std::fun
                      const std::function<Bytes(const std::vector<std::span<const std::byte>>&)>& decide) {
   const std::vector<Bytes> gathered = group.gather(outcome(step), 0);
   Bytes verdict;
-  if (group.rank() == 0) verdict = outcome([&] { return decide(payloads_or_throw(phase, gathered)); });
+  if (group.rank() == 0)
+    verdict = outcome([&] {
+      const auto payloads = payloads_or_throw(phase, gathered);
+      try {
+        return decide(payloads);
+      } catch (Error& e) {
+        throw std::move(e.add_context(cat(phase, " failed on rank 0")));
+      }
+    });
   const Bytes shared = group.broadcast(verdict, 0);
   const auto payload = payload_or_throw(shared);
   return {payload.begin(), payload.end()};
@@ -445,7 +453,7 @@ void save(const StateDict& state, const fs::path& path, ProcessGroup& group, Sav
     // the disk, then creates the file with every dataset at its global shape. Every rank learns the
     // verdict and the datasets' extents. Only rank 0 ever holds all claims.
     const Bytes created = decide_at_root(
-        group, "planning and validating the save",
+        group, "planning, validating and creating the checkpoint",
         [&] {
           plan = prepare_save(state);
           Writer w;
