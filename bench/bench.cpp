@@ -163,11 +163,7 @@ void write_all(int fd, const std::byte* p, std::size_t n) {
 std::int64_t saved_bytes(const model::ModelConfig& c) {
   std::int64_t n = 0;
   for (const ParamSpec& spec : model::params(c, 1))
-    for (const Block& b : blocks(spec)) {
-      std::int64_t e = static_cast<std::int64_t>(dtype_size(c.dtype));
-      for (auto d : b.global_shape) e *= d;
-      n += e;
-    }
+    for (const Block& b : blocks(spec)) n += static_cast<std::int64_t>(dtype_size(c.dtype)) * element_count(b.global_shape);
   return n;
 }
 

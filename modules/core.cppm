@@ -4,6 +4,7 @@ module;
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <span>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -60,6 +61,13 @@ std::string cat(const Parts&... parts) {
 template <class... Parts>
 void require(bool ok, Errc code, const Parts&... parts) {
   if (!ok) throw Error(code, cat(parts...));
+}
+
+// Elements of a shape (or of its trailing dims): the product of the dims, 1 for none.
+constexpr std::int64_t element_count(std::span<const std::int64_t> dims) noexcept {
+  std::int64_t n = 1;
+  for (std::int64_t d : dims) n *= d;
+  return n;
 }
 
 enum class DType : std::uint8_t { bf16, f16, f32, f64, i8, i16, i32, i64, u8, u16, u32, u64 };

@@ -18,10 +18,6 @@ module shardckpt.layout;
 namespace shardckpt {
 namespace {
 
-std::int64_t product(std::span<const std::int64_t> dims) {
-  return ranges::accumulate(dims, std::int64_t{1}, std::multiplies<>{});
-}
-
 std::int64_t per_tp(std::int64_t total, int tp, std::string_view what) {
   require(total > 0, Errc::layout, what, " must be positive (got ", total, ")");
   require(tp >= 1, Errc::layout, "TP must be at least 1 (got ", tp, ")");
@@ -120,7 +116,7 @@ std::int64_t ParamSpec::rows() const noexcept {
   return ranges::accumulate(sections, std::int64_t{0}, std::plus<>{}, &Section::rows);
 }
 
-std::int64_t ParamSpec::row_elems() const noexcept { return product(trailing); }
+std::int64_t ParamSpec::row_elems() const noexcept { return element_count(trailing); }
 
 void validate(const ParamSpec& spec) {
   require(!spec.key.empty() && spec.key.find('/') == std::string::npos && spec.key[0] != '_', Errc::invalid_argument,
@@ -246,7 +242,7 @@ Box footprint(const Claim& c) {
   }
   Box box{{c.global_offset[0], c.global_offset[0] + c.count[0]}, {0, 1}};
   if (rank >= 2) {
-    const std::int64_t inner = product(std::span(c.global_shape).subspan(2));
+    const std::int64_t inner = element_count(std::span(c.global_shape).subspan(2));
     box.cols = {c.global_offset[1] * inner, (c.global_offset[1] + c.count[1]) * inner};
   }
   return box;

@@ -48,8 +48,8 @@ std::vector<std::int64_t> band_chunk(const std::vector<const Claim*>& claims) {
   if (width == 0 || width == shape[1] || shape[1] % width != 0) return {};
   std::vector<std::int64_t> chunk = shape;
   chunk[1] = width;
-  std::int64_t row_bytes = static_cast<std::int64_t>(dtype_size(claims.front()->dtype)) * width;
-  for (std::size_t d = 2; d < shape.size(); ++d) row_bytes *= shape[d];
+  const std::int64_t row_bytes =
+      static_cast<std::int64_t>(dtype_size(claims.front()->dtype)) * width * element_count(std::span(shape).subspan(2));
   chunk[0] = std::clamp<std::int64_t>(max_chunk_bytes / row_bytes, 1, shape[0]);
   return chunk;
 }

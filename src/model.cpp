@@ -16,12 +16,6 @@ namespace {
 
 std::string layer_key(int layer, std::string_view name) { return cat("decoder.layers.", layer, ".", name); }
 
-std::int64_t product(std::span<const std::int64_t> dims) {
-  std::int64_t n = 1;
-  for (std::int64_t d : dims) n *= d;
-  return n;
-}
-
 // Calls fn(piece, row r of the piece, pattern seed of its first element, elements per row) for every
 // row of every piece of a rank's plan, replicas included. The element i of the row has the pattern
 // value (seed + i) mod 2^24: the seed is fnv1a32(key) plus the row's flat index in the dataset.
@@ -29,9 +23,9 @@ template <class Fn>
 void for_each_row(const RankPlan& plan, Fn&& fn) {
   for (const Piece& p : plan.pieces) {
     const std::uint64_t hash = fnv1a32(p.key);
-    const std::int64_t row_elems = product(std::span(p.global_shape).subspan(1));
+    const std::int64_t row_elems = element_count(std::span(p.global_shape).subspan(1));
     const std::int64_t col0 =
-        p.global_shape.size() > 1 ? p.global_offset[1] * product(std::span(p.global_shape).subspan(2)) : 0;
+        p.global_shape.size() > 1 ? p.global_offset[1] * element_count(std::span(p.global_shape).subspan(2)) : 0;
     for (std::int64_t r = 0; r < p.rows; ++r)
       fn(p, r, hash + static_cast<std::uint64_t>((p.global_offset[0] + r) * row_elems + col0), plan.row_elems);
   }

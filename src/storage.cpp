@@ -461,16 +461,20 @@ std::vector<Extent> extents_of(hid_t set, hid_t type, const std::vector<std::int
   return out;
 }
 
-void select_slab(hid_t space, std::span<const std::int64_t> offset, std::span<const std::int64_t> count,
-                 const Where& w) {
-  const auto start = to_hsize(offset), extent = to_hsize(count);
-  check(H5Sselect_hyperslab(space, H5S_SELECT_SET, start.data(), nullptr, extent.data(), nullptr), w);
-}
+// The HDF5 selections of a slab: the hyperslab in the dataset's file space, the packed rows in
+// memory, and the library's type for the dataset's dtype (so HDF5 converts nothing it need not).
+struct SlabSpaces {
+  Hid file, memory, type;
+};
 
-std::int64_t elements(std::span<const std::int64_t> count) {
-  std::int64_t n = 1;
-  for (std::int64_t c : count) n *= c;
-  return n;
+SlabSpaces slab_spaces(hid_t set, DType dtype, std::span<const std::int64_t> offset,
+                       std::span<const std::int64_t> count, const Where& w) {
+  SlabSpaces s{owned(H5Dget_space(set), H5Sclose, w), {}, h5_type(dtype)};
+  const auto start = to_hsize(offset), extent = to_hsize(count);
+  check(H5Sselect_hyperslab(s.file.get(), H5S_SELECT_SET, start.data(), nullptr, extent.data(), nullptr), w);
+  const auto n = static_cast<hsize_t>(element_count(count));
+  s.memory = owned(H5Screate_simple(1, &n, nullptr), H5Sclose, w);
+  return s;
 }
 
 }  // namespace
@@ -563,7 +567,8 @@ void PieceWriter::write(const DatasetInfo& d, std::span<const std::int64_t> offs
   if (src.empty()) return;
   Impl& m = *impl_;
   if (m.method == IoMethod::direct) {
-    require(!d.extents.empty(), Errc::invalid_argument, "key ", d.key, ": the direct path needs a contiguous dataset");
+    require(!d.extents.empty(), Errc::invalid_argument, "key ", d.key,
+            ": the direct path needs a dataset whose raw data it can address");
     transfer_slab(::pwrite, m.fd.get(), src.data(), d, box, m.path, "write");
     return;
   }
@@ -571,12 +576,8 @@ void PieceWriter::write(const DatasetInfo& d, std::span<const std::int64_t> offs
   auto it = m.sets.find(d.key);
   if (it == m.sets.end())
     it = m.sets.emplace(d.key, owned(H5Dopen2(m.file.get(), d.key.c_str(), H5P_DEFAULT), H5Dclose, w)).first;
-  Hid fspace = owned(H5Dget_space(it->second.get()), H5Sclose, w);
-  select_slab(fspace.get(), offset, count, w);
-  const hsize_t n = static_cast<hsize_t>(elements(count));
-  Hid mspace = owned(H5Screate_simple(1, &n, nullptr), H5Sclose, w);
-  Hid type = h5_type(d.dtype);
-  check(H5Dwrite(it->second.get(), type.get(), mspace.get(), fspace.get(), H5P_DEFAULT, src.data()), w);
+  const SlabSpaces s = slab_spaces(it->second.get(), d.dtype, offset, count, w);
+  check(H5Dwrite(it->second.get(), s.type.get(), s.memory.get(), s.file.get(), H5P_DEFAULT, src.data()), w);
 }
 
 void PieceWriter::finish() {
@@ -781,12 +782,8 @@ void CheckpointReader::read(const DatasetInfo& d, std::span<const std::int64_t> 
   // Datasets the direct path cannot address (filtered, small chunks, another byte order) go through HDF5.
   const Where w{m.path, d.key, "read a piece"};
   Hid set = owned(H5Dopen2(m.file.get(), d.key.c_str(), H5P_DEFAULT), H5Dclose, w);
-  Hid fspace = owned(H5Dget_space(set.get()), H5Sclose, w);
-  select_slab(fspace.get(), offset, count, w);
-  const hsize_t n = static_cast<hsize_t>(elements(count));
-  Hid mspace = owned(H5Screate_simple(1, &n, nullptr), H5Sclose, w);
-  Hid type = h5_type(d.dtype);
-  check(H5Dread(set.get(), type.get(), mspace.get(), fspace.get(), H5P_DEFAULT, dst.data()), w);
+  const SlabSpaces s = slab_spaces(set.get(), d.dtype, offset, count, w);
+  check(H5Dread(set.get(), s.type.get(), s.memory.get(), s.file.get(), H5P_DEFAULT, dst.data()), w);
 }
 
 }  // namespace shardckpt

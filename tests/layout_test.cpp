@@ -37,11 +37,8 @@ double value_of(const std::string& key, std::int64_t row, std::int64_t col) {
 std::map<std::string, std::vector<double>> simulate_save(const ParamSpec& spec, std::int64_t gtp, std::int64_t align) {
   const std::int64_t C = spec.row_elems();
   std::map<std::string, std::vector<double>> file;
-  for (const Block& b : blocks(spec)) {
-    std::int64_t n = 1;
-    for (auto d : b.global_shape) n *= d;
-    file[b.key].assign(static_cast<std::size_t>(n), std::nan(""));
-  }
+  for (const Block& b : blocks(spec))
+    file[b.key].assign(static_cast<std::size_t>(element_count(b.global_shape)), std::nan(""));
   for (int t = 0; t < spec.tp; ++t) {
     // TP-local weight of rank t.
     std::vector<double> local(static_cast<std::size_t>(spec.rows() * C));

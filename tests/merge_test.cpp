@@ -116,8 +116,7 @@ TEST(Save, NoPadRowReachesTheFile) {
   std::int64_t total = 0;
   for (const DatasetInfo& d : reader.datasets()) {
     std::vector<std::int64_t> zero(d.shape.size(), 0);
-    std::int64_t n = 1;
-    for (auto x : d.shape) n *= x;
+    const std::int64_t n = element_count(d.shape);
     HostBuffer all = HostBuffer::zeros(d.dtype, Extents(std::span<const std::int64_t>(d.shape)));
     reader.read(d, zero, d.shape, all.mut_view(), IoMethod::direct);
     for (std::int64_t i = 0; i < n; ++i) {

@@ -119,9 +119,7 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 }
 
 std::int64_t dataset_bytes(const DatasetInfo& d) {
-  std::int64_t n = static_cast<std::int64_t>(dtype_size(d.dtype));
-  for (auto x : d.shape) n *= x;
-  return n;
+  return static_cast<std::int64_t>(dtype_size(d.dtype)) * element_count(d.shape);
 }
 
 std::string dims_text(const std::vector<std::int64_t>& dims) {
