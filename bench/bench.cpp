@@ -25,7 +25,7 @@
 #include <thread>
 #include <vector>
 import shardckpt;
-import shardckpt.model;
+import shardckpt.demo;
 
 using namespace shardckpt;
 using json = nlohmann::json;
@@ -160,16 +160,16 @@ void write_all(int fd, const std::byte* p, std::size_t n) {
 
 // ---- the model ----------------------------------------------------------------------------------------
 
-std::int64_t saved_bytes(const model::ModelConfig& c) {
+std::int64_t saved_bytes(const demo::ModelConfig& c) {
   std::int64_t n = 0;
-  for (const ParamSpec& spec : model::params(c, 1))
+  for (const ParamSpec& spec : demo::params(c, 1))
     for (const Block& b : blocks(spec)) n += static_cast<std::int64_t>(dtype_size(c.dtype)) * element_count(b.global_shape);
   return n;
 }
 
 // The bench model: GDP and Mamba layers (3:1) of the given shape, as many as make the bytes closest
 // to the target; where even two layers are too many, the hidden size shrinks instead.
-model::ModelConfig bench_config(model::ModelConfig c, std::int64_t target) {
+demo::ModelConfig bench_config(demo::ModelConfig c, std::int64_t target) {
   auto with_layers = [&](int layers) {
     c.gdp_layers = layers - layers / 4;
     c.mamba_layers = layers / 4;
@@ -188,21 +188,21 @@ model::ModelConfig bench_config(model::ModelConfig c, std::int64_t target) {
   return c;
 }
 
-std::vector<model::RankModel> build_models(const model::ModelConfig& c, const model::Layout& l) {
-  std::vector<model::RankModel> models(static_cast<std::size_t>(l.ranks()));
+std::vector<demo::RankModel> build_models(const demo::ModelConfig& c, const demo::Layout& l) {
+  std::vector<demo::RankModel> models(static_cast<std::size_t>(l.ranks()));
   std::atomic<int> next{0};
   std::vector<std::thread> workers;
   const unsigned n = std::max(1u, std::thread::hardware_concurrency());
   for (unsigned w = 0; w < n; ++w)
     workers.emplace_back([&] {
-      for (int r; (r = next++) < l.ranks();) models[static_cast<std::size_t>(r)] = model::build_rank(c, l, r);
+      for (int r; (r = next++) < l.ranks();) models[static_cast<std::size_t>(r)] = demo::build_rank(c, l, r);
     });
   for (auto& w : workers) w.join();
   return models;
 }
 
-json layout_json(const model::Layout& l) { return {{"tp", l.tp}, {"gtp", l.gtp}, {"align", l.align}, {"ranks", l.ranks()}}; }
-std::string layout_text(const model::Layout& l) {
+json layout_json(const demo::Layout& l) { return {{"tp", l.tp}, {"gtp", l.gtp}, {"align", l.align}, {"ranks", l.ranks()}}; }
+std::string layout_text(const demo::Layout& l) {
   return cat("TP ", l.tp, " x GTP ", l.gtp, ", alignment ", l.align, " (", l.ranks(), " ranks)");
 }
 
@@ -269,9 +269,9 @@ struct LoadRun {
   std::string first_mismatch;
 };
 
-LoadRun timed_load(const fs::path& file, const model::ModelConfig& c, const model::Layout& l, PeakMeter& meter, bool verify) {
+LoadRun timed_load(const fs::path& file, const demo::ModelConfig& c, const demo::Layout& l, PeakMeter& meter, bool verify) {
   std::vector<StateDict> requests;
-  for (int r = 0; r < l.ranks(); ++r) requests.push_back(model::request(c, l, r));
+  for (int r = 0; r < l.ranks(); ++r) requests.push_back(demo::request(c, l, r));
   std::vector<std::optional<LoadedState>> loaded(static_cast<std::size_t>(l.ranks()));
   LoadRun out;
   meter.begin();
@@ -282,13 +282,13 @@ LoadRun timed_load(const fs::path& file, const model::ModelConfig& c, const mode
   });
   out.peak_extra = meter.end();
   if (verify) {
-    std::vector<model::Verification> v(static_cast<std::size_t>(l.ranks()));
+    std::vector<demo::Verification> v(static_cast<std::size_t>(l.ranks()));
     std::atomic<int> next{0};
     std::vector<std::thread> workers;
     for (unsigned w = 0; w < std::max(1u, std::thread::hardware_concurrency()); ++w)
       workers.emplace_back([&] {
         for (int r; (r = next++) < l.ranks();)
-          v[static_cast<std::size_t>(r)] = model::verify(c, l, r, *loaded[static_cast<std::size_t>(r)]);
+          v[static_cast<std::size_t>(r)] = demo::verify(c, l, r, *loaded[static_cast<std::size_t>(r)]);
       });
     for (auto& w : workers) w.join();
     for (const auto& x : v) {
@@ -352,12 +352,12 @@ PlanFigures plan_seed_scale() {
 
   // The whole save planning of one rank of the seed model (72 GDP layers: in_proj, conv1d, out_proj,
   // norm), with shards borrowed from no memory: prepare_save never touches data.
-  model::ModelConfig seed;
+  demo::ModelConfig seed;
   seed.gdp_layers = f.layers;
   seed.mamba_layers = 0;
   seed.dims = f.dims;
   seed.cols = f.cols;
-  const std::vector<ParamSpec> all = model::params(seed, f.tp);
+  const std::vector<ParamSpec> all = demo::params(seed, f.tp);
   ::malloc_trim(0);
   const std::int64_t rss0 = proc_status_bytes("VmRSS:");
   std::vector<Claim> claims;
@@ -465,10 +465,10 @@ struct Options {
   std::optional<bool> h5py;
   std::string python = "/usr/bin/python3";
   std::string script = SHARDCKPT_BENCH_SCRIPT;
-  model::Layout save_layout{2, 4, 32, 1};
-  model::Layout load_layout{1, 8, 16, 1};
+  demo::Layout save_layout{2, 4, 32, 1};
+  demo::Layout load_layout{1, 8, 16, 1};
   // A 2,048-wide model with the usual 2x inner expansion (d_inner = heads * head_dim = 4,096).
-  model::ModelConfig shape{.gdp_layers = 0, .mamba_layers = 0,
+  demo::ModelConfig shape{.gdp_layers = 0, .mamba_layers = 0,
                            .dims = {.heads = 32, .head_dim = 128, .groups = 8, .state = 128, .householder = 2},
                            .cols = 2048, .conv_kernel = 4, .dtype = DType::bf16};
 };
@@ -508,15 +508,15 @@ int run(const Options& o) {
   const Cache cache(dir);
   PeakMeter meter;
   const bool use_h5py = o.h5py.value_or(python_has_h5py(o.python));
-  const model::ModelConfig config = bench_config(o.shape, std::int64_t{o.size_mib} * MiB);
-  const model::Layout& sl = o.save_layout;
-  const model::Layout& ll = o.load_layout;
+  const demo::ModelConfig config = bench_config(o.shape, std::int64_t{o.size_mib} * MiB);
+  const demo::Layout& sl = o.save_layout;
+  const demo::Layout& ll = o.load_layout;
   auto progress = [&](const std::string& s) {
     if (!o.json_out) std::fprintf(stderr, "  %s\n", s.c_str());
   };
 
   progress(cat("building ", config.gdp_layers, " GDP + ", config.mamba_layers, " Mamba layers at ", layout_text(sl)));
-  std::vector<model::RankModel> models = build_models(config, sl);
+  std::vector<demo::RankModel> models = build_models(config, sl);
   std::int64_t shard_bytes = 0, pad_rows = 0;
   std::vector<SavePlan> plans;
   for (const auto& m : models) {
@@ -572,7 +572,7 @@ int run(const Options& o) {
     remove_file(gather_file);
     cache.cold();
     meter.begin();
-    gather_w.push_back(timed([&] { gather_rank_peak = model::gather_save(config, sl, models, gather_file); }));
+    gather_w.push_back(timed([&] { gather_rank_peak = demo::gather_save(config, sl, models, gather_file); }));
     gather_peak = std::max(gather_peak, meter.end());
 
     if (use_h5py) {
@@ -604,7 +604,7 @@ int run(const Options& o) {
     raw_reused_r.push_back(timed([&] { (void)raw_read_reused(ckpt); }));
 
     // A load at `layout` from a cold cache, checked against the pattern in the first round.
-    auto load_at = [&](const model::Layout& layout, std::vector<double>& seconds, std::int64_t& peak,
+    auto load_at = [&](const demo::Layout& layout, std::vector<double>& seconds, std::int64_t& peak,
                        std::int64_t& mismatches) {
       cache.cold();
       const LoadRun l = timed_load(ckpt, config, layout, meter, o.verify && rep == 0);
@@ -640,7 +640,7 @@ int run(const Options& o) {
   const std::int64_t loaded_shards_save = shard_bytes;
   std::int64_t loaded_shards_reshard = 0;
   for (int r = 0; r < ll.ranks(); ++r) {
-    const StateDict request = model::request(config, ll, r);
+    const StateDict request = demo::request(config, ll, r);
     for (const ShardedParam& p : request.params())
       loaded_shards_reshard += p.shard_shape().elements() * static_cast<std::int64_t>(dtype_size(config.dtype));
   }
@@ -676,7 +676,7 @@ int run(const Options& o) {
       {"model", {{"gdp_layers", config.gdp_layers}, {"mamba_layers", config.mamba_layers}, {"heads", config.dims.heads},
                  {"head_dim", config.dims.head_dim}, {"groups", config.dims.groups}, {"state", config.dims.state},
                  {"householder", config.dims.householder}, {"cols", config.cols}, {"dtype", dtype_name(config.dtype)},
-                 {"tensors", plans.empty() ? 0 : model::params(config, 1).size()}}},
+                 {"tensors", plans.empty() ? 0 : demo::params(config, 1).size()}}},
       {"repeat", o.repeat},
       {"read_repeat", o.read_repeat},
       {"directory", dir.string()},

@@ -1,22 +1,26 @@
 // shardckpt.dist: many ranks, one checkpoint. A ProcessGroup offers the few collectives a save and
 // a load need; ThreadGroup runs ranks as threads of one process (tests, the demo, single-process
 // users), and shardckpt.dist.mpi / shardckpt.dist.nccl bring MPI and NCCL. save() gathers every
-// rank's plan at rank 0, which validates them together before a byte is written and creates the file
-// with every dataset at its global shape; every rank writes its own pieces concurrently, and rank 0
-// commits only when every rank succeeded: every rank returns the same outcome.
+// rank's plan at rank 0, which validates them together before a byte is written, assigns every
+// rank its part of the checksum table and creates the file with every dataset at its global shape;
+// every rank writes its own pieces and their checksums concurrently, and rank 0 commits only when
+// every rank succeeded: every rank returns the same outcome. load() opens the checkpoint once per
+// rank and makes every rank agree on its id before anything is read.
 module;
 #include <cstddef>
+#include <cstdint>
 #include <filesystem>
 #include <functional>
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 export module shardckpt.dist;
 import shardckpt.core;
 import shardckpt.views;
-import shardckpt.storage;
-import shardckpt.merge;
+import shardckpt.format;
+import shardckpt.state;
 
 export namespace shardckpt {
 
@@ -69,20 +73,30 @@ class ThreadGroup {
 
 // Runs fn on `ranks` threads, one per rank of a fresh ThreadGroup. A rank that throws aborts the
 // group so that the others fail instead of waiting forever; the lowest failing rank's error is
-// rethrown once every thread has ended.
+// rethrown once every thread has ended. A thread that cannot be started is Errc::collective.
 void run_ranks(int ranks, const std::function<void(ProcessGroup&)>& fn);
+
+// The steps of a save, in order, as SaveOptions::on_phase reports them on rank 0.
+enum class SavePhase : std::uint8_t { planning, writing, committing, committed };
+std::string_view save_phase_name(SavePhase phase) noexcept;
 
 struct SaveOptions {
   IoMethod method = IoMethod::direct;
+  // Called on rank 0 as each phase begins (progress reports, tests that interrupt a save); must not
+  // throw.
+  std::function<void(SavePhase)> on_phase = {};
 };
 
 // Saves the state dicts of all ranks of `group` as one checkpoint at `path` (collective: every rank
 // calls it). Materialization is forbidden throughout. On any failure on any rank, every rank
 // throws the same error, nothing is committed and an earlier checkpoint at `path` is untouched.
+// A `path` that is a symbolic link is followed: the checkpoint replaces the link's target.
 void save(const StateDict& state, const std::filesystem::path& path, ProcessGroup& group, SaveOptions options = {});
 void save(const StateDict& state, const std::filesystem::path& path, SaveOptions options = {});
 
 // Every rank loads its own part at its own layout, concurrently; every rank gets the same outcome.
+// Each rank opens the checkpoint once, and all ranks must have opened the same one (the same
+// checkpoint id): a path replaced between two ranks' opens is Errc::replaced, never a mix.
 LoadedState load(const std::filesystem::path& path, const StateDict& request, ProcessGroup& group,
                  LoadOptions options = {});
 

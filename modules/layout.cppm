@@ -75,10 +75,13 @@ struct SsmDims {
 
 // TP-local sections of the fused layouts (SPEC.md, "Fused layouts"). Throw Errc::layout when heads
 // or groups do not divide by tp, or a size is not positive.
-std::vector<Section> gdp_in_proj_sections(const SsmDims& dims, int tp);
-std::vector<Section> gdp_conv1d_sections(const SsmDims& dims, int tp);
-std::vector<Section> mamba_in_proj_sections(const SsmDims& dims, int tp);
-std::vector<Section> mamba_conv1d_sections(const SsmDims& dims, int tp);
+std::vector<Section> gdp_in_proj_sections(const SsmDims& dims, std::int64_t tp);
+std::vector<Section> gdp_conv1d_sections(const SsmDims& dims, std::int64_t tp);
+std::vector<Section> mamba_in_proj_sections(const SsmDims& dims, std::int64_t tp);
+std::vector<Section> mamba_conv1d_sections(const SsmDims& dims, std::int64_t tp);
+
+// The most Householder steps (and so blocks) a fused layout may have; more is a typo, not a model.
+inline constexpr std::int64_t max_householder = 1 << 16;
 std::vector<Section> plain_sections(std::int64_t rows);
 
 // How tensor parallelism splits the global weight: along dim 0 block by block (column-parallel and
@@ -94,10 +97,11 @@ struct ParamSpec {
   std::vector<Section> sections;
   std::vector<std::int64_t> trailing;
   TpAxis tp_axis = TpAxis::rows;
-  int tp = 1;
+  std::int64_t tp = 1;
 
-  std::int64_t rows() const noexcept;       // R: TP-local rows, all sections together
-  std::int64_t row_elems() const noexcept;  // C: elements of one row
+  // R: TP-local rows, all sections together; C: elements of one row. Throw Errc::layout on overflow.
+  std::int64_t rows() const;
+  std::int64_t row_elems() const;
 };
 
 // Throws Errc::layout (or invalid_argument for the key) when the spec cannot be planned.
@@ -118,14 +122,15 @@ std::vector<Block> blocks(const ParamSpec& spec);
 // The same parameter described by its blocks' global sizes (what a checkpoint records), planned
 // for another TP degree. Throws Errc::layout when a size does not divide by tp.
 ParamSpec param_at_tp(std::string key, std::span<const Section> global_sections,
-                      std::span<const std::int64_t> global_trailing, TpAxis axis, int tp);
+                      std::span<const std::int64_t> global_trailing, TpAxis axis, std::int64_t tp);
 // Inverse of param_at_tp: the blocks' global row counts and the global trailing dims.
 std::vector<Section> global_sections(const ParamSpec& spec);
 std::vector<std::int64_t> global_trailing(const ParamSpec& spec);
 
+// Where a rank sits in the parallel layout. Ranks, group sizes and row counts are all int64.
 struct ShardCoord {
-  int tp_rank = 0;
-  int gtp_rank = 0;
+  std::int64_t tp_rank = 0;
+  std::int64_t gtp_rank = 0;
 };
 
 // What one rank saves of one block: `rows` rows of its padded shard starting at `shard_row`,
@@ -179,6 +184,21 @@ struct Claim {
 // Footprint of a claim; throws Errc::invalid_argument when it leaves the dataset or splits a dim
 // past dim 1 (only dims 0 and 1 are ever split by TP and GTP).
 Box footprint(const Claim& claim);
+// The box of a whole dataset of `shape`: its rows by its flattened trailing elements.
+Box whole_box(std::span<const std::int64_t> shape);
+// The elements of a box (rows x columns), checked.
+std::int64_t box_elements(const Box& box);
+
+// A box and who writes it (a rank, a slab of a file).
+struct OwnedBox {
+  Box box;
+  std::int64_t owner = 0;
+};
+// What keeps `boxes` (all inside `whole`) from covering `whole` exactly once: up to `limit`
+// sentences naming the key, the rows and the owners (called `owner_noun`s) of gaps and overlaps;
+// empty when they tile it. O(n log n) when they do.
+std::vector<std::string> tiling_problems(std::string_view key, std::span<const OwnedBox> boxes, const Box& whole,
+                                         std::string_view owner_noun, std::size_t limit = 16);
 
 // Checks the claims of all ranks together: per key one dtype and one global shape, and the main
 // replicas' boxes cover every element exactly once. Throws Errc::dtype_mismatch, shape_mismatch or

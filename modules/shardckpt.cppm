@@ -4,6 +4,6 @@ export module shardckpt;
 export import shardckpt.core;
 export import shardckpt.layout;
 export import shardckpt.views;
-export import shardckpt.storage;
-export import shardckpt.merge;
+export import shardckpt.format;
+export import shardckpt.state;
 export import shardckpt.dist;

@@ -17,76 +17,6 @@ import shardckpt.core;
 
 export namespace shardckpt {
 
-// 16-bit floats as stored: conversions round to nearest even and keep NaN a NaN.
-struct bf16 {
-  std::uint16_t bits = 0;
-  friend constexpr bool operator==(bf16, bf16) = default;
-};
-struct f16 {
-  std::uint16_t bits = 0;
-  friend constexpr bool operator==(f16, f16) = default;
-};
-bf16 to_bf16(float value) noexcept;
-f16 to_f16(float value) noexcept;
-float to_f32(bf16 value) noexcept;
-float to_f32(f16 value) noexcept;
-
-template <class T>
-struct dtype_of;
-template <>
-struct dtype_of<bf16> {
-  static constexpr DType value = DType::bf16;
-};
-template <>
-struct dtype_of<f16> {
-  static constexpr DType value = DType::f16;
-};
-template <>
-struct dtype_of<float> {
-  static constexpr DType value = DType::f32;
-};
-template <>
-struct dtype_of<double> {
-  static constexpr DType value = DType::f64;
-};
-template <>
-struct dtype_of<std::int8_t> {
-  static constexpr DType value = DType::i8;
-};
-template <>
-struct dtype_of<std::int16_t> {
-  static constexpr DType value = DType::i16;
-};
-template <>
-struct dtype_of<std::int32_t> {
-  static constexpr DType value = DType::i32;
-};
-template <>
-struct dtype_of<std::int64_t> {
-  static constexpr DType value = DType::i64;
-};
-template <>
-struct dtype_of<std::uint8_t> {
-  static constexpr DType value = DType::u8;
-};
-template <>
-struct dtype_of<std::uint16_t> {
-  static constexpr DType value = DType::u16;
-};
-template <>
-struct dtype_of<std::uint32_t> {
-  static constexpr DType value = DType::u32;
-};
-template <>
-struct dtype_of<std::uint64_t> {
-  static constexpr DType value = DType::u64;
-};
-
-template <class T>
-concept Element = requires { dtype_of<std::remove_const_t<T>>::value; };
-template <Element T>
-inline constexpr DType dtype_v = dtype_of<std::remove_const_t<T>>::value;
-
 inline constexpr int max_rank = 8;
 
 // A shape of rank 1..max_rank held inline, so views carry it without allocating. Dim 0 is rows;
@@ -159,7 +89,6 @@ class BasicView {
   }
   constexpr std::size_t bytes() const noexcept { return static_cast<std::size_t>(rows()) * row_bytes(); }
   constexpr bool empty() const noexcept { return bytes() == 0; }
-  constexpr std::span<byte_type> raw() const noexcept { return {data_, bytes()}; }
 
   // Rows [lo, hi) of the same memory. Throws Errc::invalid_argument when out of range.
   constexpr BasicView rows(std::int64_t lo, std::int64_t hi) const {
@@ -252,8 +181,5 @@ class ForbidMaterialization {
   ForbidMaterialization& operator=(const ForbidMaterialization&) = delete;
 };
 bool materialization_forbidden() noexcept;
-
-// Copies the elements of `from` into `to` (same dtype and shape), e.g. one row range into another.
-void copy_into(TensorView from, MutTensorView to);
 
 }  // namespace shardckpt

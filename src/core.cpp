@@ -1,4 +1,7 @@
 module;
+#include <bit>
+#include <cmath>
+#include <cstdint>
 #include <string_view>
 module shardckpt.core;
 
@@ -20,6 +23,10 @@ std::string_view errc_name(Errc code) noexcept {
       return "missing_key";
     case Errc::not_a_checkpoint:
       return "not_a_checkpoint";
+    case Errc::corrupt:
+      return "corrupt";
+    case Errc::replaced:
+      return "replaced";
     case Errc::io:
       return "io";
     case Errc::hdf5:
@@ -35,10 +42,46 @@ std::string_view errc_name(Errc code) noexcept {
 }
 
 DType parse_dtype(std::string_view name) {
-  for (DType t : all_dtypes)
-    if (dtype_name(t) == name) return t;
+  for (const DTypeInfo& t : dtype_table)
+    if (t.name == name) return t.dtype;
   throw Error(Errc::invalid_argument,
               cat("unknown dtype '", name, "' (expected bf16, f16, f32, f64, i8..i64, u8..u64)"));
+}
+
+bf16 to_bf16(float value) noexcept {
+  const auto bits = std::bit_cast<std::uint32_t>(value);
+  if (std::isnan(value)) return bf16::from_bits(static_cast<std::uint16_t>((bits >> 16) | 0x40));  // stay quiet NaN
+  const std::uint32_t rounding = 0x7FFF + ((bits >> 16) & 1);                                   // nearest even
+  return bf16::from_bits(static_cast<std::uint16_t>((bits + rounding) >> 16));
+}
+
+float to_f32(bf16 value) noexcept { return std::bit_cast<float>(static_cast<std::uint32_t>(value.bits()) << 16); }
+
+f16 to_f16(float value) noexcept {
+  const auto bits = std::bit_cast<std::uint32_t>(value);
+  const std::uint32_t sign = (bits >> 16) & 0x8000;
+  const std::uint32_t abs = bits & 0x7FFFFFFF;
+  if (abs > 0x7F800000) return f16::from_bits(static_cast<std::uint16_t>(sign | 0x7E00));   // NaN
+  if (abs >= 0x477FF000) return f16::from_bits(static_cast<std::uint16_t>(sign | 0x7C00));  // rounds past 65504: inf
+  if (abs < 0x38800000) {  // below the smallest normal half: subnormal or zero
+    const float scaled = std::bit_cast<float>(abs) * 16777216.0f;  // 2^24: units of 2^-24
+    return f16::from_bits(static_cast<std::uint16_t>(sign | static_cast<std::uint32_t>(std::nearbyint(scaled))));
+  }
+  // Normal: rebias the exponent, round the 13 dropped mantissa bits to nearest even.
+  const std::uint32_t rounded = abs + 0xFFF + ((abs >> 13) & 1);
+  return f16::from_bits(static_cast<std::uint16_t>(sign | ((rounded - 0x38000000) >> 13)));
+}
+
+float to_f32(f16 value) noexcept {
+  const std::uint32_t sign = static_cast<std::uint32_t>(value.bits() & 0x8000) << 16;
+  const std::uint32_t exp = (value.bits() >> 10) & 0x1F;
+  const std::uint32_t man = value.bits() & 0x3FF;
+  if (exp == 0) {  // zero or subnormal: man * 2^-24
+    const float mag = static_cast<float>(man) * 5.9604644775390625e-8f;
+    return sign ? -mag : mag;
+  }
+  if (exp == 31) return std::bit_cast<float>(sign | 0x7F800000 | (man << 13));
+  return std::bit_cast<float>(sign | ((exp + 112) << 23) | (man << 13));
 }
 
 }  // namespace shardckpt

@@ -10,6 +10,7 @@ module;
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <span>
 #include <string>
 #include <string_view>
@@ -20,6 +21,7 @@ module;
 #include <vector>
 module shardckpt.dist;
 import shardckpt.layout;
+import shardckpt.io;
 
 namespace shardckpt {
 namespace {
@@ -124,20 +126,33 @@ std::span<const std::byte> payload_or_throw(std::span<const std::byte> bytes) {
 
 // Every rank's payload, or one error for all: the code of the lowest failing rank and the message
 // of every failing rank.
+// Ranks that failed with the same message are named together, so that a failure every rank shares
+// reads once.
 std::vector<std::span<const std::byte>> payloads_or_throw(std::string_view phase, const std::vector<Bytes>& outcomes) {
   std::vector<std::span<const std::byte>> payloads;
   std::optional<Errc> code;
-  std::string text;
+  std::vector<std::pair<std::string, std::vector<std::size_t>>> failures;  // message, ranks, in rank order
   for (std::size_t r = 0; r < outcomes.size(); ++r) {
     try {
       payloads.push_back(payload_or_throw(outcomes[r]));
     } catch (const Error& e) {
-      text += cat(code ? "; and on rank " : " failed on rank ", r, ": ", e.what());
       if (!code) code = e.code();
+      const auto same = std::find_if(failures.begin(), failures.end(), [&](const auto& f) { return f.first == e.what(); });
+      if (same == failures.end())
+        failures.emplace_back(e.what(), std::vector<std::size_t>{r});
+      else
+        same->second.push_back(r);
     }
   }
-  if (code) throw Error(*code, cat(phase, text));
-  return payloads;
+  if (!code) return payloads;
+  std::string text;
+  for (const auto& [message, ranks] : failures) {
+    text += text.empty() ? " failed on rank" : "; and on rank";
+    text += ranks.size() > 1 ? "s " : " ";
+    for (std::size_t i = 0; i < ranks.size(); ++i) text += cat(i ? ", " : "", ranks[i]);
+    text += cat(": ", message);
+  }
+  throw Error(*code, cat(phase, text));
 }
 
 // One phase on all ranks: every rank runs `step`, all exchange outcomes, and either every rank gets
@@ -271,39 +286,65 @@ DatasetInfo get_dataset(Reader& r) {
   return d;
 }
 
-// The one rank that sends a parameter's record: the main replica that saves its first element.
-bool owns_record(const SavePlan& plan, const ParamRecord& record) {
-  const std::string first = block_key(record.key, record.blocks.front().name);
+// The datasets whose first element this rank saves as a main replica: the one rank that sends a
+// parameter's record is the one that saves the first element of its first block.
+std::set<std::string_view> first_elements(const SavePlan& plan) {
+  std::set<std::string_view> out;
   for (const SaveItem& i : plan.items)
-    if (i.key == first && i.main_replica && i.count[0] > 0 &&
+    if (i.main_replica && i.count[0] > 0 &&
         std::all_of(i.global_offset.begin(), i.global_offset.end(), [](std::int64_t o) { return o == 0; }))
-      return true;
-  return false;
+      out.insert(i.key);
+  return out;
 }
+
+// Checksum units of a claim: main replicas checksum every row they write.
+std::int64_t claim_units(const Claim& c) { return c.main_replica ? units_of(footprint(c)) : 0; }
 
 // Claims rank 0 turns into Claim values at a time. Claims of one key always fall into the same part,
 // so checking the parts one by one checks everything, while the memory for Claim values stays near
 // this many whatever the number of ranks and pieces (the seed's 159k claims would take 42 MiB).
 constexpr std::int64_t claims_per_part = 16 * 1024;
 
-// Rank 0's side of planning: validates the claims of all ranks, part by part, and collects the
-// parameter records and rank 0's common values. Returns the datasets to create.
-std::vector<DatasetSpec> validate_in_parts(const std::vector<std::span<const std::byte>>& payloads,
-                                           CheckpointContents& contents) {
-  std::int64_t total = 0;
-  for (std::span<const std::byte> p : payloads) total += Reader(p).i64();
-  const auto parts =
-      static_cast<std::size_t>(std::max<std::int64_t>(1, (total + claims_per_part - 1) / claims_per_part));
-  std::map<std::string, ParamRecord, std::less<>> records;
+// What rank 0 decides in planning: the datasets to create, and where each rank's checksums start.
+struct Planned {
   std::vector<DatasetSpec> specs;
+  std::vector<std::int64_t> first_units;  // per rank
+  std::int64_t units = 0;
+};
+
+// Rank 0's side of planning: validates the claims of all ranks, part by part, lays out the checksum
+// table (each rank's units follow the previous rank's, in the order of its claims), and collects
+// the parameter records and rank 0's common values.
+Planned validate_in_parts(const std::vector<std::span<const std::byte>>& payloads, CheckpointContents& contents) {
+  Planned out;
+  std::int64_t claims_total = 0;
+  for (std::span<const std::byte> p : payloads) {
+    Reader r(p);
+    out.first_units.push_back(out.units);
+    out.units = checked_add(out.units, r.i64(), "checksum units of all ranks");
+    claims_total = checked_add(claims_total, r.i64(), "claims of all ranks");
+  }
+  const auto parts =
+      static_cast<std::size_t>(std::max<std::int64_t>(1, (claims_total + claims_per_part - 1) / claims_per_part));
+  std::map<std::string, ParamRecord, std::less<>> records;
   for (std::size_t part = 0; part < parts; ++part) {
     std::vector<Claim> claims;
+    std::vector<std::int64_t> firsts;
     for (std::size_t rank = 0; rank < payloads.size(); ++rank) {
       Reader r(payloads[rank]);
+      const std::int64_t units = r.i64();
+      std::int64_t running = 0;
       for (std::int64_t n = r.i64(); n > 0; --n) {
         Claim c = get_claim(r, static_cast<int>(rank));
-        if (std::hash<std::string>{}(c.key) % parts == part) claims.push_back(std::move(c));
+        const std::int64_t u = claim_units(c);
+        if (std::hash<std::string>{}(c.key) % parts == part) {
+          firsts.push_back(out.first_units[rank] + running);
+          claims.push_back(std::move(c));
+        }
+        running = checked_add(running, u, "checksum units of a rank");
       }
+      require(running == units, Errc::internal, "rank ", rank, " announced ", units, " checksum units but claims ",
+              running);
       if (part > 0) continue;
       for (std::int64_t n = r.i64(); n > 0; --n) {
         ParamRecord rec = get_record(r);
@@ -313,11 +354,12 @@ std::vector<DatasetSpec> validate_in_parts(const std::vector<std::span<const std
       if (rank == 0) contents.common = std::move(common);
     }
     validate_claims(claims);
-    for (DatasetSpec& d : datasets_of(claims)) specs.push_back(std::move(d));
+    for (DatasetSpec& d : datasets_of(claims, firsts)) out.specs.push_back(std::move(d));
   }
   for (auto& [key, rec] : records) contents.params.push_back(std::move(rec));
-  std::sort(specs.begin(), specs.end(), [](const DatasetSpec& a, const DatasetSpec& b) { return a.key < b.key; });
-  return specs;
+  std::sort(out.specs.begin(), out.specs.end(),
+            [](const DatasetSpec& a, const DatasetSpec& b) { return a.key < b.key; });
+  return out;
 }
 
 }  // namespace
@@ -426,42 +468,74 @@ void run_ranks(int ranks, const std::function<void(ProcessGroup&)>& fn) {
   std::vector<std::exception_ptr> errors(static_cast<std::size_t>(ranks));
   std::vector<std::thread> threads;
   threads.reserve(static_cast<std::size_t>(ranks));
-  for (int r = 0; r < ranks; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        fn(group.member(r));
-      } catch (const std::exception& e) {
-        errors[static_cast<std::size_t>(r)] = std::current_exception();
-        group.abort(cat("rank ", r, " failed: ", e.what()));
-      } catch (...) {
-        errors[static_cast<std::size_t>(r)] = std::current_exception();
-        group.abort(cat("rank ", r, " failed"));
-      }
-    });
+  std::optional<Error> not_started;
+  for (int r = 0; r < ranks && !not_started; ++r) {
+    try {
+      threads.emplace_back([&, r] {
+        try {
+          fn(group.member(r));
+        } catch (const std::exception& e) {
+          errors[static_cast<std::size_t>(r)] = std::current_exception();
+          group.abort(cat("rank ", r, " failed: ", e.what()));
+        } catch (...) {
+          errors[static_cast<std::size_t>(r)] = std::current_exception();
+          group.abort(cat("rank ", r, " failed"));
+        }
+      });
+    } catch (const std::exception& e) {  // no thread for this rank: the started ones must not wait for it
+      not_started.emplace(Errc::collective, cat("could not start the thread of rank ", r, " of ", ranks, ": ", e.what()));
+      group.abort(not_started->what());
+    }
+  }
   for (std::thread& t : threads) t.join();
+  if (not_started) throw *not_started;
   for (const std::exception_ptr& e : errors)
     if (e) std::rethrow_exception(e);
+}
+
+std::string_view save_phase_name(SavePhase phase) noexcept {
+  switch (phase) {
+    case SavePhase::planning:
+      return "planning";
+    case SavePhase::writing:
+      return "writing";
+    case SavePhase::committing:
+      return "committing";
+    case SavePhase::committed:
+      return "committed";
+  }
+  return "?";
 }
 
 void save(const StateDict& state, const fs::path& path, ProcessGroup& group, SaveOptions options) {
   const ForbidMaterialization no_copies;
   const int me = group.rank();
-  const fs::path partial = partial_path(path);
+  const auto phase = [&](SavePhase p) {
+    if (me == 0 && options.on_phase) options.on_phase(p);
+  };
+  fs::path target, partial;
   try {
     SavePlan plan;
+    phase(SavePhase::planning);
     // 1. Every rank's claims reach rank 0, which validates them all together before anything touches
-    // the disk, then creates the file with every dataset at its global shape. Every rank learns the
-    // verdict and the datasets' extents. Only rank 0 ever holds all claims.
+    // the disk, lays out the checksum table, then creates the file with every dataset at its global
+    // shape. Every rank learns the verdict: the datasets' extents and where its checksums go. Only
+    // rank 0 ever holds all claims.
     const Bytes created = decide_at_root(
         group, "planning, validating and creating the checkpoint",
         [&] {
           plan = prepare_save(state);
+          const std::vector<Claim> claims = claims_of(plan, me);
+          std::int64_t units = 0;
+          for (const Claim& c : claims) units = checked_add(units, claim_units(c), "checksum units");
           Writer w;
+          w.i64(units);
           w.i64(static_cast<std::int64_t>(plan.items.size()));
           for (const SaveItem& i : plan.items) put_claim(w, i);
+          const std::set<std::string_view> firsts = first_elements(plan);
           std::vector<const ParamRecord*> owned;
           for (const ParamRecord& r : plan.params)
-            if (owns_record(plan, r)) owned.push_back(&r);
+            if (firsts.contains(block_key(r.key, r.blocks.front().name))) owned.push_back(&r);
           w.i64(static_cast<std::int64_t>(owned.size()));
           for (const ParamRecord* r : owned) put_record(w, *r);
           put_common(w, me == 0 ? plan.common : decltype(plan.common){});
@@ -469,20 +543,35 @@ void save(const StateDict& state, const fs::path& path, ProcessGroup& group, Sav
         },
         [&](const std::vector<std::span<const std::byte>>& payloads) {
           CheckpointContents contents;
-          const std::vector<DatasetSpec> specs = validate_in_parts(payloads, contents);
-          const std::vector<DatasetInfo> datasets = create_skeleton(partial, specs, contents);
+          contents.id = io::random_id();
+          const Planned planned = validate_in_parts(payloads, contents);
+          // A link is followed: the checkpoint replaces its target, in the target's directory.
+          target = io::follow_links(path);
+          partial = partial_path(target);
+          const Skeleton skeleton = create_skeleton(partial, planned.specs, contents, planned.units);
           Writer w;
-          w.i64(static_cast<std::int64_t>(datasets.size()));
-          for (const DatasetInfo& d : datasets) put_dataset(w, d);
+          w.str(target.string());
+          w.i64(static_cast<std::int64_t>(skeleton.datasets.size()));
+          for (const DatasetInfo& d : skeleton.datasets) put_dataset(w, d);
+          w.i64(static_cast<std::int64_t>(skeleton.checksums_address));
+          w.dims(planned.first_units);
           return w.take();
         });
-    std::vector<DatasetInfo> datasets;
     Reader r(created);
+    target = r.str();
+    partial = partial_path(target);
+    std::vector<DatasetInfo> datasets;
     for (std::int64_t n = r.i64(); n > 0; --n) datasets.push_back(get_dataset(r));
-    // 2. Every rank writes its own pieces: all at once on the direct path; on the hyperslab path
-    // one rank at a time, since HDF5 must not have one file open for writing in two processes.
+    const auto checksums_address = static_cast<std::uint64_t>(r.i64());
+    const std::vector<std::int64_t> first_units = r.dims();
+    require(first_units.size() == static_cast<std::size_t>(group.size()), Errc::collective,
+            "the planning verdict does not have one checksum start per rank");
+    // 2. Every rank writes its own pieces and their checksums: all at once on the direct path; on the
+    // hyperslab path one rank at a time, since HDF5 must not have one file open for writing in two
+    // processes.
+    phase(SavePhase::writing);
     auto write_mine = [&] {
-      PieceWriter writer(partial, options.method);
+      PieceWriter writer(partial, options.method, checksums_address, first_units[static_cast<std::size_t>(me)]);
       write_items(plan, datasets, writer);
       writer.finish();
     };
@@ -495,15 +584,17 @@ void save(const StateDict& state, const fs::path& path, ProcessGroup& group, Sav
         });
     }
     // 3. Only when every rank has written and synced its pieces does rank 0 commit.
+    phase(SavePhase::committing);
     agree(group, "committing the checkpoint", [&] {
       if (me == 0) {
         mark_complete(partial);
-        commit(partial, path);
+        commit(partial, target);
       }
     });
+    phase(SavePhase::committed);
   } catch (Error& e) {
     // Nothing was committed; whatever rank 0 had created goes.
-    if (me == 0) discard(partial);
+    if (me == 0 && !partial.empty()) discard(partial);
     throw std::move(e.add_context(cat("saving ", path.string())));
   }
 }
@@ -514,8 +605,19 @@ void save(const StateDict& state, const fs::path& path, SaveOptions options) {
 }
 
 LoadedState load(const fs::path& path, const StateDict& request, ProcessGroup& group, LoadOptions options) {
+  std::optional<CheckpointReader> reader;
+  agree(group, cat("opening ", path.string()), [&] { reader.emplace(path); });
+  // Every rank opened the path on its own: they must all have opened the same checkpoint.
+  const std::string& id = reader->contents().id;
+  const std::vector<Bytes> ids = group.all_gather(std::as_bytes(std::span(id.data(), id.size())));
+  for (std::size_t r = 0; r < ids.size(); ++r)
+    require(std::string_view(reinterpret_cast<const char*>(ids[r].data()), ids[r].size()) == id, Errc::replaced,
+            "loading ", path.string(), ": rank ", group.rank(), " opened checkpoint ", id, " but rank ", r, " opened ",
+            std::string_view(reinterpret_cast<const char*>(ids[r].data()), ids[r].size()),
+            ": the path was replaced while the ranks opened it");
+  if (group.rank() == 0) notice_unchecked(*reader, options);
   std::optional<LoadedState> out;
-  agree(group, cat("loading ", path.string()), [&] { out.emplace(load(path, request, options)); });
+  agree(group, cat("loading ", path.string()), [&] { out.emplace(load(*reader, request, options)); });
   return std::move(*out);
 }
 

@@ -2,9 +2,7 @@ module;
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <map>
-#include <range/v3/numeric/accumulate.hpp>
 #include <range/v3/view/exclusive_scan.hpp>
 #include <range/v3/view/transform.hpp>
 #include <range/v3/view/zip.hpp>
@@ -18,7 +16,7 @@ module shardckpt.layout;
 namespace shardckpt {
 namespace {
 
-std::int64_t per_tp(std::int64_t total, int tp, std::string_view what) {
+std::int64_t per_tp(std::int64_t total, std::int64_t tp, std::string_view what) {
   require(total > 0, Errc::layout, what, " must be positive (got ", total, ")");
   require(tp >= 1, Errc::layout, "TP must be at least 1 (got ", tp, ")");
   require(total % tp == 0, Errc::layout, what, " (", total, ") does not divide by TP ", tp);
@@ -30,12 +28,14 @@ struct LocalDims {
   std::int64_t d_inner, group_state, heads, householder;
 };
 
-LocalDims local_dims(const SsmDims& d, int tp) {
+LocalDims local_dims(const SsmDims& d, std::int64_t tp) {
   require(d.head_dim > 0 && d.state > 0, Errc::layout, "head_dim (", d.head_dim, ") and state (", d.state,
           ") must be positive");
-  require(d.householder >= 1, Errc::layout, "householder count must be at least 1 (got ", d.householder, ")");
+  require(d.householder >= 1 && d.householder <= max_householder, Errc::layout, "householder count must be in [1, ",
+          max_householder, "] (got ", d.householder, ")");
   const std::int64_t heads = per_tp(d.heads, tp, "heads");
-  return {heads * d.head_dim, per_tp(d.groups, tp, "groups") * d.state, heads, d.householder};
+  return {checked_mul(heads, d.head_dim, "heads x head_dim", Errc::layout),
+          checked_mul(per_tp(d.groups, tp, "groups"), d.state, "groups x state", Errc::layout), heads, d.householder};
 }
 
 void add_repeated(std::vector<Section>& out, std::string_view prefix, std::int64_t n, std::int64_t rows) {
@@ -55,14 +55,14 @@ GtpGeometry GtpGeometry::make(std::int64_t rows, std::int64_t group, std::int64_
   g.group_ = group;
   g.align_ = align;
   if (align > 0) {
-    const std::int64_t block = align * group;
+    const std::int64_t block = checked_mul(align, group, "alignment x GTP group size", Errc::layout);
     g.pad_ = (block - rows % block) % block;
   }
-  g.shard_rows_ = (rows + g.pad_) / group;
+  g.shard_rows_ = checked_add(rows, g.pad_, "padded rows", Errc::layout) / group;
   return g;
 }
 
-std::vector<Section> gdp_in_proj_sections(const SsmDims& dims, int tp) {
+std::vector<Section> gdp_in_proj_sections(const SsmDims& dims, std::int64_t tp) {
   const LocalDims d = local_dims(dims, tp);
   std::vector<Section> out{{"z", d.d_inner}};
   add_repeated(out, "V", d.householder, d.d_inner);
@@ -73,7 +73,7 @@ std::vector<Section> gdp_in_proj_sections(const SsmDims& dims, int tp) {
   return out;
 }
 
-std::vector<Section> gdp_conv1d_sections(const SsmDims& dims, int tp) {
+std::vector<Section> gdp_conv1d_sections(const SsmDims& dims, std::int64_t tp) {
   const LocalDims d = local_dims(dims, tp);
   std::vector<Section> out;
   add_repeated(out, "V", d.householder, d.d_inner);
@@ -82,12 +82,12 @@ std::vector<Section> gdp_conv1d_sections(const SsmDims& dims, int tp) {
   return out;
 }
 
-std::vector<Section> mamba_in_proj_sections(const SsmDims& dims, int tp) {
+std::vector<Section> mamba_in_proj_sections(const SsmDims& dims, std::int64_t tp) {
   const LocalDims d = local_dims(dims, tp);
   return {{"z", d.d_inner}, {"x", d.d_inner}, {"B", d.group_state}, {"C", d.group_state}, {"dt", d.heads}};
 }
 
-std::vector<Section> mamba_conv1d_sections(const SsmDims& dims, int tp) {
+std::vector<Section> mamba_conv1d_sections(const SsmDims& dims, std::int64_t tp) {
   const LocalDims d = local_dims(dims, tp);
   return {{"x", d.d_inner}, {"B", d.group_state}, {"C", d.group_state}};
 }
@@ -112,11 +112,13 @@ TpAxis parse_tp_axis(std::string_view name) {
   throw Error(Errc::invalid_argument, cat("unknown TP axis '", name, "' (expected rows, cols or replicated)"));
 }
 
-std::int64_t ParamSpec::rows() const noexcept {
-  return ranges::accumulate(sections, std::int64_t{0}, std::plus<>{}, &Section::rows);
+std::int64_t ParamSpec::rows() const {
+  std::int64_t n = 0;
+  for (const Section& s : sections) n = checked_add(n, s.rows, cat(key, ": rows of all sections"), Errc::layout);
+  return n;
 }
 
-std::int64_t ParamSpec::row_elems() const noexcept { return element_count(trailing); }
+std::int64_t ParamSpec::row_elems() const { return element_count(trailing, cat(key, ": elements of a row"), Errc::layout); }
 
 void validate(const ParamSpec& spec) {
   require(!spec.key.empty() && spec.key.find('/') == std::string::npos && spec.key[0] != '_', Errc::invalid_argument,
@@ -135,6 +137,9 @@ void validate(const ParamSpec& spec) {
           ": only a single-section (plain) weight may have an unnamed section");
   for (std::int64_t d : spec.trailing)
     require(d > 0, Errc::layout, spec.key, ": trailing dims must be positive (got ", d, ")");
+  // Every size below derives from these two; both must fit, and so must the global shape.
+  const std::int64_t elements = checked_mul(spec.rows(), spec.row_elems(), cat(spec.key, ": elements"), Errc::layout);
+  (void)checked_mul(elements, spec.tp, cat(spec.key, ": global elements"), Errc::layout);
   if (spec.tp_axis == TpAxis::cols) {
     require(spec.sections.size() == 1, Errc::layout, spec.key,
             ": a weight split along dim 1 must be unfused (one section), got ", spec.sections.size());
@@ -154,16 +159,19 @@ std::vector<Block> blocks(const ParamSpec& spec) {
       spec.sections | ranges::views::transform(&Section::rows) | ranges::views::exclusive_scan(std::int64_t{0});
   for (auto [section, start] : ranges::views::zip(spec.sections, starts)) {
     Block b{block_key(spec.key, section.name), {start, start + section.rows}, {}};
-    b.global_shape.push_back(spec.tp_axis == TpAxis::rows ? section.rows * spec.tp : section.rows);
+    b.global_shape.push_back(spec.tp_axis == TpAxis::rows
+                                 ? checked_mul(section.rows, spec.tp, cat(b.key, ": global rows"), Errc::layout)
+                                 : section.rows);
     b.global_shape.insert(b.global_shape.end(), spec.trailing.begin(), spec.trailing.end());
-    if (spec.tp_axis == TpAxis::cols) b.global_shape[1] *= spec.tp;
+    if (spec.tp_axis == TpAxis::cols)
+      b.global_shape[1] = checked_mul(b.global_shape[1], spec.tp, cat(b.key, ": global dim 1"), Errc::layout);
     out.push_back(std::move(b));
   }
   return out;
 }
 
 ParamSpec param_at_tp(std::string key, std::span<const Section> global, std::span<const std::int64_t> trailing,
-                      TpAxis axis, int tp) {
+                      TpAxis axis, std::int64_t tp) {
   ParamSpec spec{std::move(key), {}, {trailing.begin(), trailing.end()}, axis, tp};
   require(tp >= 1, Errc::layout, spec.key, ": TP must be at least 1 (got ", tp, ")");
   for (const Section& s : global)
@@ -180,13 +188,13 @@ ParamSpec param_at_tp(std::string key, std::span<const Section> global, std::spa
 std::vector<Section> global_sections(const ParamSpec& spec) {
   std::vector<Section> out = spec.sections;
   if (spec.tp_axis == TpAxis::rows)
-    for (Section& s : out) s.rows *= spec.tp;
+    for (Section& s : out) s.rows = checked_mul(s.rows, spec.tp, cat(spec.key, ": global rows"), Errc::layout);
   return out;
 }
 
 std::vector<std::int64_t> global_trailing(const ParamSpec& spec) {
   std::vector<std::int64_t> out = spec.trailing;
-  if (spec.tp_axis == TpAxis::cols) out[0] *= spec.tp;
+  if (spec.tp_axis == TpAxis::cols) out[0] = checked_mul(out[0], spec.tp, cat(spec.key, ": global dim 1"), Errc::layout);
   return out;
 }
 
@@ -233,8 +241,10 @@ Box footprint(const Claim& c) {
   const std::size_t rank = c.global_shape.size();
   require(rank >= 1 && c.global_offset.size() == rank && c.count.size() == rank, Errc::invalid_argument, c.key,
           ": rank ", c.rank, " claims a slab whose offset/count do not match the dataset's rank ", rank);
+  (void)element_count(c.global_shape, cat(c.key, ": elements of the global shape"));
   for (std::size_t d = 0; d < rank; ++d) {
-    require(c.global_offset[d] >= 0 && c.count[d] >= 0 && c.global_offset[d] + c.count[d] <= c.global_shape[d],
+    require(c.global_offset[d] >= 0 && c.count[d] >= 0 && c.global_offset[d] <= c.global_shape[d] &&
+                c.count[d] <= c.global_shape[d] - c.global_offset[d],
             Errc::invalid_argument, c.key, ": rank ", c.rank, " claims [", c.global_offset[d], ", ",
             c.global_offset[d] + c.count[d], ") of dim ", d, " whose size is ", c.global_shape[d]);
     require(d < 2 || (c.global_offset[d] == 0 && c.count[d] == c.global_shape[d]), Errc::invalid_argument, c.key,
@@ -243,9 +253,103 @@ Box footprint(const Claim& c) {
   Box box{{c.global_offset[0], c.global_offset[0] + c.count[0]}, {0, 1}};
   if (rank >= 2) {
     const std::int64_t inner = element_count(std::span(c.global_shape).subspan(2));
+    // In range: the offset and count lie inside a shape whose element count fits.
     box.cols = {c.global_offset[1] * inner, (c.global_offset[1] + c.count[1]) * inner};
   }
   return box;
+}
+
+Box whole_box(std::span<const std::int64_t> shape) {
+  if (shape.empty()) return {{0, 1}, {0, 1}};
+  return {{0, shape[0]}, {0, element_count(shape.subspan(1), "elements of a row")}};
+}
+
+std::int64_t box_elements(const Box& box) {
+  return box.empty() ? 0 : checked_mul(box.rows.size(), box.cols.size(), "elements of a slab");
+}
+
+namespace {
+
+// True when no two boxes share an element: a sweep over rows keeps the column ranges of the boxes
+// that span the current row, which must stay disjoint.
+bool disjoint(std::span<const OwnedBox> boxes) {
+  struct Event {
+    std::int64_t row;
+    bool insert;
+    std::size_t box;
+  };
+  std::vector<Event> events;
+  events.reserve(boxes.size() * 2);
+  for (std::size_t i = 0; i < boxes.size(); ++i) {
+    events.push_back({boxes[i].box.rows.begin, true, i});
+    events.push_back({boxes[i].box.rows.end, false, i});
+  }
+  // At the same row, boxes that end leave before boxes that begin arrive.
+  std::sort(events.begin(), events.end(),
+            [](const Event& a, const Event& b) { return a.row != b.row ? a.row < b.row : a.insert < b.insert; });
+  std::map<std::int64_t, std::int64_t> active;  // column begin -> column end
+  for (const Event& e : events) {
+    const RowRange cols = boxes[e.box].box.cols;
+    if (!e.insert) {
+      active.erase(cols.begin);
+      continue;
+    }
+    const auto next = active.lower_bound(cols.begin);
+    if (next != active.end() && next->first < cols.end) return false;
+    if (next != active.begin() && std::prev(next)->second > cols.begin) return false;
+    active.emplace(cols.begin, cols.end);
+  }
+  return true;
+}
+
+}  // namespace
+
+std::vector<std::string> tiling_problems(std::string_view key, std::span<const OwnedBox> boxes, const Box& whole,
+                                         std::string_view owner_noun, std::size_t limit) {
+  std::int64_t area = 0;
+  for (const OwnedBox& o : boxes) area = checked_add(area, box_elements(o.box), "elements of all slabs");
+  if (area == box_elements(whole) && disjoint(boxes)) return {};
+
+  // Something is wrong: find what, band by band. Between two consecutive column cuts every box
+  // either covers the whole band or none of it, so each band reduces to a 1-D check of row ranges.
+  std::vector<std::string> problems;
+  auto report = [&](std::string text) {
+    if (problems.size() < limit) problems.push_back(std::move(text));
+  };
+  std::set<std::int64_t> cuts{whole.cols.begin, whole.cols.end};
+  for (const OwnedBox& o : boxes) {
+    cuts.insert(o.box.cols.begin);
+    cuts.insert(o.box.cols.end);
+  }
+  for (auto it = cuts.begin(); std::next(it) != cuts.end() && problems.size() < limit; ++it) {
+    const RowRange band{*it, *std::next(it)};
+    std::vector<const OwnedBox*> in_band;
+    for (const OwnedBox& o : boxes)
+      if (o.box.cols.begin <= band.begin && band.end <= o.box.cols.end) in_band.push_back(&o);
+    std::sort(in_band.begin(), in_band.end(),
+              [](const OwnedBox* a, const OwnedBox* b) { return a->box.rows.begin < b->box.rows.begin; });
+    std::int64_t cursor = whole.rows.begin;
+    const OwnedBox* prev = nullptr;
+    const std::string where =
+        whole.cols == band ? std::string() : cat(" (elements [", band.begin, ", ", band.end, ") of each row)");
+    for (const OwnedBox* o : in_band) {
+      if (o->box.rows.begin > cursor)
+        report(cat("key ", key, ": rows [", cursor, ", ", o->box.rows.begin, ")", where, " are saved by no ",
+                   owner_noun));
+      else if (o->box.rows.begin < cursor)
+        report(cat("key ", key, ": rows [", o->box.rows.begin, ", ", std::min(cursor, o->box.rows.end), ")", where,
+                   " are saved by both ", owner_noun, " ", prev->owner, " and ", owner_noun, " ", o->owner));
+      if (o->box.rows.end > cursor) {
+        cursor = o->box.rows.end;
+        prev = o;
+      }
+    }
+    if (cursor < whole.rows.end)
+      report(cat("key ", key, ": rows [", cursor, ", ", whole.rows.end, ")", where, " are saved by no ", owner_noun));
+  }
+  if (problems.empty()) problems.push_back(cat("key ", key, ": the slabs cover ", area, " of ", box_elements(whole),
+                                               " elements"));
+  return problems;
 }
 
 void validate_claims(std::span<const Claim> claims) {
@@ -253,9 +357,6 @@ void validate_claims(std::span<const Claim> claims) {
   for (const Claim& c : claims) by_key[c.key].push_back(&c);
 
   std::vector<std::string> problems;
-  auto report = [&](std::string text) {
-    if (problems.size() < 16) problems.push_back(std::move(text));
-  };
   for (const auto& [key, list] : by_key) {
     const Claim& first = *list.front();
     for (const Claim* c : list) {
@@ -264,56 +365,14 @@ void validate_claims(std::span<const Claim> claims) {
       require(c->global_shape == first.global_shape, Errc::shape_mismatch, "key ", key, ": ranks ", first.rank, " and ",
               c->rank, " disagree on the global shape");
     }
-    struct Owned {
-      Box box;
-      int rank;
-    };
-    std::vector<Owned> boxes;
-    std::set<std::int64_t> cuts;
+    std::vector<OwnedBox> boxes;
     for (const Claim* c : list) {
-      Box b = footprint(*c);
-      if (!c->main_replica || b.rows.empty() || b.cols.empty()) continue;
-      boxes.push_back({b, c->rank});
-      cuts.insert(b.cols.begin);
-      cuts.insert(b.cols.end);
+      const Box b = footprint(*c);
+      if (c->main_replica && !b.empty()) boxes.push_back({b, c->rank});
     }
-    const Claim probe{std::string(key),
-                      first.dtype,
-                      first.global_shape,
-                      std::vector<std::int64_t>(first.global_shape.size(), 0),
-                      first.global_shape,
-                      0,
-                      true};
-    const Box whole = footprint(probe);
-    cuts.insert(whole.cols.begin);
-    cuts.insert(whole.cols.end);
-    // Between two consecutive column cuts every box either covers the whole band or none of it, so
-    // each band reduces to a 1-D check of row intervals.
-    for (auto it = cuts.begin(); std::next(it) != cuts.end(); ++it) {
-      const RowRange band{*it, *std::next(it)};
-      std::vector<const Owned*> in_band;
-      for (const Owned& o : boxes)
-        if (o.box.cols.begin <= band.begin && band.end <= o.box.cols.end) in_band.push_back(&o);
-      std::sort(in_band.begin(), in_band.end(),
-                [](const Owned* a, const Owned* b) { return a->box.rows.begin < b->box.rows.begin; });
-      std::int64_t cursor = 0;
-      const Owned* prev = nullptr;
-      const std::string where =
-          whole.cols == band ? std::string() : cat(" (elements [", band.begin, ", ", band.end, ") of each row)");
-      for (const Owned* o : in_band) {
-        if (o->box.rows.begin > cursor)
-          report(cat("key ", key, ": rows [", cursor, ", ", o->box.rows.begin, ")", where, " are saved by no rank"));
-        else if (o->box.rows.begin < cursor)
-          report(cat("key ", key, ": rows [", o->box.rows.begin, ", ", std::min(cursor, o->box.rows.end), ")", where,
-                     " are saved by both rank ", prev->rank, " and rank ", o->rank));
-        if (o->box.rows.end > cursor) {
-          cursor = o->box.rows.end;
-          prev = o;
-        }
-      }
-      if (cursor < whole.rows.end)
-        report(cat("key ", key, ": rows [", cursor, ", ", whole.rows.end, ")", where, " are saved by no rank"));
-    }
+    for (std::string& p : tiling_problems(key, boxes, whole_box(first.global_shape), "rank", 16 - problems.size()))
+      problems.push_back(std::move(p));
+    if (problems.size() >= 16) break;
   }
   if (!problems.empty()) {
     std::string text = "pieces do not tile the checkpoint exactly once";

@@ -12,7 +12,7 @@
 #include "test_support.hpp"
 import shardckpt;
 import shardckpt.dist.mpi;
-import shardckpt.model;
+import shardckpt.demo;
 
 using namespace shardckpt;
 
@@ -35,8 +35,8 @@ std::filesystem::path shared_dir() {
   return dir;
 }
 
-model::ModelConfig small_model() {
-  model::ModelConfig c;
+demo::ModelConfig small_model() {
+  demo::ModelConfig c;
   c.gdp_layers = 1;
   c.mamba_layers = 1;
   c.dims = {.heads = 4, .head_dim = 4, .groups = 4, .state = 4, .householder = 2};
@@ -44,10 +44,10 @@ model::ModelConfig small_model() {
   return c;
 }
 
-std::int64_t global_mismatches(const model::ModelConfig& c, const model::Layout& l, const std::filesystem::path& file) {
+std::int64_t global_mismatches(const demo::ModelConfig& c, const demo::Layout& l, const std::filesystem::path& file) {
   MpiGroup group(MPI_COMM_WORLD);
-  const model::Verification v =
-      model::verify(c, l, group.rank(), load(file, model::request(c, l, group.rank()), group));
+  const demo::Verification v =
+      demo::verify(c, l, group.rank(), load(file, demo::request(c, l, group.rank()), group));
   EXPECT_EQ(v.mismatches, 0) << v.first_mismatch;
   std::int64_t total = 0;
   MPI_Allreduce(&v.mismatches, &total, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
@@ -61,7 +61,7 @@ TEST(Mpi, FourProcessesSaveOneCheckpointAndLoadAtAnotherLayout) {
   ASSERT_EQ(group.size(), 4) << "run with mpirun -np 4";
   const auto c = small_model();
   const auto file = shared_dir() / "c.h5";
-  model::RankModel m = model::build_rank(c, {2, 2, 8, 1}, group.rank());
+  demo::RankModel m = demo::build_rank(c, {2, 2, 8, 1}, group.rank());
   save(m.state, file, group);
   EXPECT_EQ(global_mismatches(c, {1, 4, 2, 1}, file), 0);
   EXPECT_EQ(global_mismatches(c, {4, 1, 0, 1}, file), 0);
@@ -70,10 +70,10 @@ TEST(Mpi, FourProcessesSaveOneCheckpointAndLoadAtAnotherLayout) {
 TEST(Mpi, ReplicasWriteOnce) {
   MpiGroup group(MPI_COMM_WORLD);
   const auto c = small_model();
-  const model::Layout l{1, 2, 8, 2};
+  const demo::Layout l{1, 2, 8, 2};
   const auto file = shared_dir() / "dp.h5";
-  model::RankModel m = model::build_rank(c, l, group.rank());
-  if (model::coord_of(l, group.rank()).dp == 1)
+  demo::RankModel m = demo::build_rank(c, l, group.rank());
+  if (demo::coord_of(l, group.rank()).dp == 1)
     for (HostBuffer& b : m.shards)
       for (bf16& x : b.mut_view().as<bf16>()) x = to_bf16(-1.0f);
   save(m.state, file, group);

@@ -10,7 +10,7 @@
 #include "test_support.hpp"
 import shardckpt;
 import shardckpt.dist.nccl;
-import shardckpt.model;
+import shardckpt.demo;
 
 using namespace shardckpt;
 
@@ -18,10 +18,10 @@ TEST(Nccl, CollectivesAndASaveOverNccl) {
   if (NcclGroup::devices() == 0) GTEST_SKIP() << "no CUDA device";
   const int ranks = std::min(NcclGroup::devices(), 4);
   testing_support::ScratchDir dir;
-  model::ModelConfig c;
+  demo::ModelConfig c;
   c.gdp_layers = 1;
   c.mamba_layers = 1;
-  const model::Layout l{1, ranks, 8, 1};
+  const demo::Layout l{1, ranks, 8, 1};
   run_ranks(ranks, [&](ProcessGroup& bootstrap) {
     NcclGroup group(bootstrap, bootstrap.rank());
     const std::byte mine[3] = {std::byte(group.rank()), std::byte(7), std::byte(group.rank() + 1)};
@@ -30,10 +30,10 @@ TEST(Nccl, CollectivesAndASaveOverNccl) {
     for (int r = 0; r < ranks; ++r) EXPECT_EQ(all[static_cast<std::size_t>(r)][2], std::byte(r + 1));
     EXPECT_EQ(group.broadcast(mine, 0)[1], std::byte(7));
     group.barrier();
-    model::RankModel m = model::build_rank(c, l, group.rank());
+    demo::RankModel m = demo::build_rank(c, l, group.rank());
     save(m.state, dir / "nccl.h5", group);
-    const model::Verification v =
-        model::verify(c, l, group.rank(), load(dir / "nccl.h5", model::request(c, l, group.rank()), group));
+    const demo::Verification v =
+        demo::verify(c, l, group.rank(), load(dir / "nccl.h5", demo::request(c, l, group.rank()), group));
     EXPECT_EQ(v.mismatches, 0) << v.first_mismatch;
   });
 }

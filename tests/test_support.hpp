@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <string>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -34,6 +35,39 @@ class ScratchDir {
 inline std::string file_bytes(const std::filesystem::path& p) {
   std::ifstream in(p, std::ios::binary);
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// h5py and numpy exist only for the system python.
+inline constexpr const char* python = "/usr/bin/python3";
+
+inline bool have_python_module(const std::string& module) {
+  return std::system((std::string(python) + " -c 'import " + module + "' 2> /dev/null").c_str()) == 0;
+}
+
+// Runs a python script (its text) with arguments; returns its exit status.
+inline int run_python(const std::string& script, const std::string& args = "") {
+  char name[] = "/tmp/shardckpt-test-py-XXXXXX";
+  const int fd = ::mkstemp(name);
+  if (fd < 0) return -1;
+  ::close(fd);
+  std::ofstream(name) << script;
+  const int rc = std::system((std::string(python) + " " + name + " " + args).c_str());
+  std::filesystem::remove(name);
+  return rc;
+}
+
+// True when two checkpoints hold the same tensors, element by element (their metadata, with the
+// unique checkpoint id and the slabs of the layout that saved them, aside).
+inline bool same_tensors(const std::filesystem::path& a, const std::filesystem::path& b) {
+  return std::system(("h5diff --exclude-path /_shardckpt " + a.string() + " " + b.string() + " > /dev/null").c_str()) ==
+         0;
+}
+
+// True when two checkpoints saved at the same layout also hold the same checksums.
+inline bool same_checksums(const std::filesystem::path& a, const std::filesystem::path& b) {
+  return std::system(("h5diff " + a.string() + " " + b.string() +
+                      " /_shardckpt/checksums /_shardckpt/checksums > /dev/null")
+                         .c_str()) == 0;
 }
 
 }  // namespace testing_support

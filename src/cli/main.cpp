@@ -22,7 +22,7 @@
 #include <variant>
 #include <vector>
 import shardckpt;
-import shardckpt.model;
+import shardckpt.demo;
 #ifdef SHARDCKPT_HAVE_MPI
 import shardckpt.dist.mpi;
 #endif
@@ -36,7 +36,7 @@ namespace {
 // ---- shared flags -------------------------------------------------------------------------------------
 
 struct ModelFlags {
-  model::ModelConfig config;
+  demo::ModelConfig config;
   std::string dtype = "bf16";
   CLI::App* app = nullptr;
   void add(CLI::App& cmd) {
@@ -69,14 +69,14 @@ struct ModelFlags {
     take("--cols", "cols", config.cols);
     take("--dtype", "dtype", dtype);
   }
-  model::ModelConfig get() {
+  demo::ModelConfig get() {
     config.dtype = parse_dtype(dtype);
     return config;
   }
 };
 
 struct LayoutFlags {
-  model::Layout layout{2, 2, 16, 1};
+  demo::Layout layout{2, 2, 16, 1};
   int ranks = 0;
   bool mpi = false;
   void add(CLI::App& cmd, bool with_ranks) {
@@ -91,7 +91,7 @@ struct LayoutFlags {
     cmd.add_flag("--mpi", mpi, "this process is one rank of an MPI job (world size = DP x TP x GTP)");
   }
   // --ranks N with N = k x TP x GTP means k replicas.
-  model::Layout resolve() {
+  demo::Layout resolve() {
     if (ranks > 0) {
       require(ranks % (layout.tp * layout.gtp) == 0, Errc::invalid_argument, "--ranks ", ranks,
               " is not a multiple of TP x GTP = ", layout.tp * layout.gtp);
@@ -101,11 +101,11 @@ struct LayoutFlags {
   }
 };
 
-std::string layout_text(const model::Layout& l) {
+std::string layout_text(const demo::Layout& l) {
   return cat("TP ", l.tp, " x GTP ", l.gtp, " (alignment ", l.align, ")", l.dp > 1 ? cat(" x DP ", l.dp) : "");
 }
 
-json layout_json(const model::Layout& l) { return {{"tp", l.tp}, {"gtp", l.gtp}, {"align", l.align}, {"dp", l.dp}}; }
+json layout_json(const demo::Layout& l) { return {{"tp", l.tp}, {"gtp", l.gtp}, {"align", l.align}, {"dp", l.dp}}; }
 
 std::int64_t peak_rss_bytes() {
   std::ifstream status("/proc/self/status");
@@ -171,17 +171,17 @@ struct LoadResult {
   std::string first_mismatch;
 };
 
-LoadResult load_and_verify(const fs::path& file, const model::ModelConfig& config, const model::Layout& layout,
+LoadResult load_and_verify(const fs::path& file, const demo::ModelConfig& config, const demo::Layout& layout,
                            bool mpi, IoMethod method) {
   LoadResult out;
   std::mutex m;
   const auto t0 = std::chrono::steady_clock::now();
   run_job(mpi, layout.ranks(), [&](ProcessGroup& group) {
-    const LoadedState loaded = load(file, model::request(config, layout, group.rank()), group, {method});
+    const LoadedState loaded = load(file, demo::request(config, layout, group.rank()), group, {method});
     group.barrier();
     const std::lock_guard lock(m);
     if (group.rank() == 0) out.seconds = seconds_since(t0);
-    const model::Verification v = model::verify(config, layout, group.rank(), loaded);
+    const demo::Verification v = demo::verify(config, layout, group.rank(), loaded);
     out.values += v.values;
     out.pad_rows += v.pad_rows;
     if (v.mismatches && !out.mismatches) out.first_mismatch = v.first_mismatch;
@@ -199,7 +199,7 @@ LoadResult load_and_verify(const fs::path& file, const model::ModelConfig& confi
 
 struct PlanFlags {
   std::string model = "gdp-in-proj";
-  model::ModelConfig config;
+  demo::ModelConfig config;
   std::int64_t rows = 0, cols = 0;
   int tp = 1, tp_axis = 0, gtp = 1;
   std::int64_t align = 0;
@@ -261,7 +261,8 @@ int cmd_plan(const PlanFlags& f) {
             << geo.padding_only_ranks() << "\n\n";
   std::cout << "  tp  gtp   real  pieces (key [shard rows) -> global offset)\n";
   for (const RankPlan& p : plans) {
-    std::printf("  %2d %4d %6lld  ", p.coord.tp_rank, p.coord.gtp_rank, static_cast<long long>(p.real_rows));
+    std::printf("  %2lld %4lld %6lld  ", static_cast<long long>(p.coord.tp_rank), static_cast<long long>(p.coord.gtp_rank),
+                static_cast<long long>(p.real_rows));
     if (p.padding_only) std::cout << "padding-only: saves nothing";
     for (std::size_t i = 0; i < p.pieces.size(); ++i) {
       const Piece& piece = p.pieces[i];
@@ -273,14 +274,14 @@ int cmd_plan(const PlanFlags& f) {
   return 0;
 }
 
-int cmd_demo(const fs::path& out, model::ModelConfig config, model::Layout save_layout, model::Layout load_layout,
+int cmd_demo(const fs::path& out, demo::ModelConfig config, demo::Layout save_layout, demo::Layout load_layout,
              bool mpi, IoMethod method, bool json_out) {
   const bool root = is_root(mpi);
   std::int64_t shard_bytes = 0, pad_rows = 0;
   std::mutex m;
   double save_seconds = 0;
   run_job(mpi, save_layout.ranks(), [&](ProcessGroup& group) {
-    model::RankModel rank = model::build_rank(config, save_layout, group.rank());
+    demo::RankModel rank = demo::build_rank(config, save_layout, group.rank());
     {
       const std::lock_guard lock(m);
       shard_bytes += rank.shard_bytes;
@@ -339,7 +340,7 @@ int cmd_demo(const fs::path& out, model::ModelConfig config, model::Layout save_
   return loaded.mismatches ? 1 : 0;
 }
 
-int cmd_load(const fs::path& file, const model::ModelConfig& config, const model::Layout& layout, bool mpi, bool verify,
+int cmd_load(const fs::path& file, const demo::ModelConfig& config, const demo::Layout& layout, bool mpi, bool verify,
              IoMethod method, bool json_out) {
   const LoadResult r = load_and_verify(file, config, layout, mpi, method);
   const bool failed = verify && r.mismatches > 0;
@@ -382,7 +383,7 @@ std::vector<std::pair<ParamRecord, DType>> reshard_params(const CheckpointReader
   return out;
 }
 
-int cmd_reshard(const fs::path& in, const fs::path& out, const model::Layout& layout) {
+int cmd_reshard(const fs::path& in, const fs::path& out, const demo::Layout& layout) {
   const CheckpointReader reader(in);
   const auto params = reshard_params(reader);
   const auto t0 = std::chrono::steady_clock::now();
@@ -497,7 +498,7 @@ int main(int argc, char** argv) {
   bool demo_json = false;
   ModelFlags demo_model;
   LayoutFlags demo_layout;
-  model::Layout load_to{1, 0, 8, 1};
+  demo::Layout load_to{1, 0, 8, 1};
   auto* demo = app.add_subcommand("demo", "build the demo model, save it, reload it at another layout and verify");
   demo->add_option("--out", demo_out, "checkpoint file to write")->required();
   demo_model.add(*demo);
@@ -542,7 +543,7 @@ int main(int argc, char** argv) {
     const IoMethod method = method_name == "hyperslab" ? IoMethod::hyperslab : IoMethod::direct;
     if (*plan) rc = cmd_plan(pf);
     if (*demo) {
-      const model::Layout save_layout = demo_layout.resolve();
+      const demo::Layout save_layout = demo_layout.resolve();
       if (load_to.gtp == 0) load_to.gtp = std::max(1, save_layout.tp * save_layout.gtp / load_to.tp);
       // The demo proves resharding: never reload at the very layout that saved.
       if (demo->count("--load-align") == 0 && load_to.tp == save_layout.tp && load_to.gtp == save_layout.gtp &&

@@ -1,4 +1,4 @@
-// shardckpt.model: the demo model of the command-line tool, the benchmark and the end-to-end
+// shardckpt.demo: the demo model of the command-line tool, the benchmark and the end-to-end
 // tests. GDP layers decoder.layers.0..N-1 and Mamba layers N..N+M-1, each with a fused in_proj and
 // conv1d, a row-parallel out_proj (TP on dim 1) and a replicated norm weight; common values and a
 // per-rank non-persistent value. Element i (row-major, flat, in its dataset) of every tensor is
@@ -10,10 +10,10 @@ module;
 #include <string>
 #include <string_view>
 #include <vector>
-export module shardckpt.model;
+export module shardckpt.demo;
 import shardckpt;
 
-export namespace shardckpt::model {
+export namespace shardckpt::demo {
 
 struct ModelConfig {
   int gdp_layers = 2;
@@ -46,7 +46,7 @@ std::uint32_t fnv1a32(std::string_view bytes) noexcept;
 float pattern(std::string_view key, std::uint64_t index) noexcept;
 
 // Every parameter of the model at TP degree `tp`.
-std::vector<ParamSpec> params(const ModelConfig& config, int tp);
+std::vector<ParamSpec> params(const ModelConfig& config, std::int64_t tp);
 
 // One rank's model: its padded shards (pattern in real rows, zeros in pad rows) and a state dict of
 // views into them. Moving a RankModel keeps the views valid: buffers own heap memory.
@@ -78,4 +78,4 @@ Verification verify(const ModelConfig& config, const Layout& layout, int rank, c
 std::int64_t gather_save(const ModelConfig& config, const Layout& layout, const std::vector<RankModel>& models,
                          const std::filesystem::path& path);
 
-}  // namespace shardckpt::model
+}  // namespace shardckpt::demo

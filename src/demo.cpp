@@ -9,9 +9,10 @@ module;
 #include <type_traits>
 #include <variant>
 #include <vector>
-module shardckpt.model;
+module shardckpt.demo;
+import shardckpt.io;
 
-namespace shardckpt::model {
+namespace shardckpt::demo {
 namespace {
 
 std::string layer_key(int layer, std::string_view name) { return cat("decoder.layers.", layer, ".", name); }
@@ -107,7 +108,7 @@ std::uint32_t fnv1a32(std::string_view bytes) noexcept {
 
 float pattern(std::string_view key, std::uint64_t index) noexcept { return pattern_value(fnv1a32(key) + index); }
 
-std::vector<ParamSpec> params(const ModelConfig& c, int tp) {
+std::vector<ParamSpec> params(const ModelConfig& c, std::int64_t tp) {
   require(c.gdp_layers >= 0 && c.mamba_layers >= 0 && c.gdp_layers + c.mamba_layers > 0, Errc::invalid_argument,
           "the model needs at least one layer");
   require(c.dtype == DType::bf16 || c.dtype == DType::f32, Errc::invalid_argument, "the demo model is bf16 or f32");
@@ -207,43 +208,62 @@ std::int64_t gather_save(const ModelConfig& config, const Layout& layout, const 
   require(layout.dp == 1 && static_cast<int>(models.size()) == layout.ranks(), Errc::invalid_argument,
           "gather_save needs one model per rank of a DP-1 layout");
   const std::vector<ParamSpec> specs = params(config, layout.tp);
+  // What the first GTP rank of each TP rank writes, in order: every block of the TP-local weight.
+  struct Write {
+    std::size_t param, dataset;
+    std::int64_t tp_rank;
+    Block block;
+    std::vector<std::int64_t> offset, count;
+  };
+  std::vector<Write> writes;
   std::vector<DatasetSpec> datasets;
   std::vector<ParamRecord> records;
-  for (const ParamSpec& spec : specs) {
-    for (const Block& b : blocks(spec))
-      datasets.push_back({b.key, config.dtype, b.global_shape, std::nullopt, false, {}});
-    records.push_back(record_of(spec));
-  }
-  const std::filesystem::path partial = partial_path(path);
-  const std::vector<DatasetInfo> infos = create_skeleton(
-      partial, datasets,
-      {CheckpointKind::global, records, {{"iteration", iteration}, {"model_config", config_json(config)}}});
-  PieceWriter writer(partial, IoMethod::direct);
-  std::int64_t peak = 0;
-  std::size_t info = 0;
   for (std::size_t p = 0; p < specs.size(); ++p) {
     const ParamSpec& spec = specs[p];
     const std::vector<Block> bl = blocks(spec);
-    for (int t = 0; t < layout.tp; ++t) {
-      // The all-gather: the real rows of every GTP rank's shard, stacked into the TP-local weight.
-      std::vector<TensorView> parts;
-      for (int g = 0; g < layout.gtp; ++g) {
-        const TensorView shard = models[static_cast<std::size_t>(t * layout.gtp + g)].shards[p].view();
-        const GtpGeometry geo = GtpGeometry::make(spec.rows(), layout.gtp, layout.align);
-        parts.push_back(shard.rows(0, geo.real_count(g)));
-      }
-      const HostBuffer weight = materialize(parts);
-      peak = std::max<std::int64_t>(peak, static_cast<std::int64_t>(weight.bytes()));
-      if (spec.tp_axis == TpAxis::replicated && t > 0) continue;
+    for (std::size_t j = 0; j < bl.size(); ++j)
+      datasets.push_back({bl[j].key, config.dtype, bl[j].global_shape, std::nullopt, {}, {}});
+    for (std::int64_t t = 0; t < (spec.tp_axis == TpAxis::replicated ? 1 : spec.tp); ++t)
       for (std::size_t j = 0; j < bl.size(); ++j) {
-        std::vector<std::int64_t> offset(bl[j].global_shape.size(), 0), count{bl[j].local_rows.size()};
-        count.insert(count.end(), spec.trailing.begin(), spec.trailing.end());
-        if (spec.tp_axis == TpAxis::rows) offset[0] = t * bl[j].local_rows.size();
-        if (spec.tp_axis == TpAxis::cols) offset[1] = t * spec.trailing[0];
-        writer.write(infos[info + j], offset, count, weight.view().rows(bl[j].local_rows.begin, bl[j].local_rows.end));
+        Write w{p, datasets.size() - bl.size() + j, t, bl[j], std::vector<std::int64_t>(bl[j].global_shape.size(), 0),
+                {bl[j].local_rows.size()}};
+        w.count.insert(w.count.end(), spec.trailing.begin(), spec.trailing.end());
+        if (spec.tp_axis == TpAxis::rows) w.offset[0] = t * bl[j].local_rows.size();
+        if (spec.tp_axis == TpAxis::cols) w.offset[1] = t * spec.trailing[0];
+        writes.push_back(std::move(w));
       }
+    records.push_back(record_of(spec));
+  }
+  std::int64_t units = 0;
+  for (const Write& w : writes) {
+    const Box box =
+        footprint(Claim{w.block.key, config.dtype, w.block.global_shape, w.offset, w.count, 0, true});
+    datasets[w.dataset].slabs.push_back({box, units});
+    units += units_of(box);
+  }
+  const std::filesystem::path partial = partial_path(path);
+  const Skeleton skeleton = create_skeleton(
+      partial, datasets,
+      {CheckpointKind::global, records, {{"iteration", iteration}, {"model_config", config_json(config)}}, io::random_id()},
+      units);
+  PieceWriter writer(partial, IoMethod::direct, skeleton.checksums_address, 0);
+  std::int64_t peak = 0;
+  for (std::size_t w = 0; w < writes.size();) {
+    const ParamSpec& spec = specs[writes[w].param];
+    // The all-gather: the real rows of every GTP rank's shard, stacked into the TP-local weight.
+    std::vector<TensorView> parts;
+    const GtpGeometry geo = GtpGeometry::make(spec.rows(), layout.gtp, layout.align);
+    for (int g = 0; g < layout.gtp; ++g) {
+      const auto rank = static_cast<std::size_t>(writes[w].tp_rank * layout.gtp + g);
+      parts.push_back(models[rank].shards[writes[w].param].view().rows(0, geo.real_count(g)));
     }
-    info += bl.size();
+    const HostBuffer weight = materialize(parts);
+    peak = std::max<std::int64_t>(peak, static_cast<std::int64_t>(weight.bytes()));
+    const std::size_t param = writes[w].param;
+    const std::int64_t tp_rank = writes[w].tp_rank;
+    for (; w < writes.size() && writes[w].param == param && writes[w].tp_rank == tp_rank; ++w)
+      writer.write(skeleton.datasets[writes[w].dataset], writes[w].offset, writes[w].count,
+                   weight.view().rows(writes[w].block.local_rows.begin, writes[w].block.local_rows.end));
   }
   writer.finish();
   mark_complete(partial);
@@ -251,4 +271,4 @@ std::int64_t gather_save(const ModelConfig& config, const Layout& layout, const 
   return peak;
 }
 
-}  // namespace shardckpt::model
+}  // namespace shardckpt::demo

@@ -4,6 +4,7 @@ module;
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <iostream>
 #include <map>
 #include <optional>
 #include <span>
@@ -12,7 +13,8 @@ module;
 #include <utility>
 #include <variant>
 #include <vector>
-module shardckpt.merge;
+module shardckpt.state;
+import shardckpt.io;
 
 namespace shardckpt {
 namespace {
@@ -30,30 +32,6 @@ std::string where(const ShardedParam& p) {
   return cat("parameter ", p.spec.key, " (TP rank ", p.coord.tp_rank, ", GTP rank ", p.coord.gtp_rank, ")");
 }
 
-// Chunks of at most this many bytes (HDF5 caps a chunk at 4 GiB).
-constexpr std::int64_t max_chunk_bytes = std::int64_t{1} << 30;
-
-// The chunk dims of a dataset whose main pieces all split dim 1 into equal, aligned bands (row-parallel
-// weights under TP): one band wide, as many rows as fit, so that each band's rows are contiguous bytes
-// in the file. Empty (contiguous) for everything else.
-std::vector<std::int64_t> band_chunk(const std::vector<const Claim*>& claims) {
-  const std::vector<std::int64_t>& shape = claims.front()->global_shape;
-  if (shape.size() < 2 || shape[0] == 0) return {};
-  std::int64_t width = 0;
-  for (const Claim* c : claims) {
-    if (!c->main_replica || c->count[0] == 0) continue;
-    if (width == 0) width = c->count[1];
-    if (c->count[1] != width || width == 0 || c->global_offset[1] % width != 0) return {};
-  }
-  if (width == 0 || width == shape[1] || shape[1] % width != 0) return {};
-  std::vector<std::int64_t> chunk = shape;
-  chunk[1] = width;
-  const std::int64_t row_bytes =
-      static_cast<std::int64_t>(dtype_size(claims.front()->dtype)) * width * element_count(std::span(shape).subspan(2));
-  chunk[0] = std::clamp<std::int64_t>(max_chunk_bytes / row_bytes, 1, shape[0]);
-  return chunk;
-}
-
 // Checks that the checkpoint's dataset can serve a slab of `dtype` at `global_shape`.
 void check_dataset(const DatasetInfo& d, DType dtype, std::span<const std::int64_t> global_shape,
                    std::string_view who) {
@@ -69,7 +47,7 @@ void check_dataset(const DatasetInfo& d, DType dtype, std::span<const std::int64
 struct Source {
   const CheckpointReader& reader;
   bool local;
-  IoMethod method;
+  ReadOptions options;
 
   void read(std::string_view key, DType dtype, std::span<const std::int64_t> global_shape,
             std::span<const std::int64_t> global_offset, std::span<const std::int64_t> count, MutTensorView dst,
@@ -77,7 +55,7 @@ struct Source {
     const DatasetInfo& d = reader.dataset(key);
     if (!local) {
       check_dataset(d, dtype, global_shape, who);
-      reader.read(d, global_offset, count, dst, method);
+      reader.read(d, global_offset, count, dst, options);
       return;
     }
     check_dataset(d, dtype, count, who);
@@ -85,13 +63,12 @@ struct Source {
     require(d.placement == want, Errc::shape_mismatch, "key ", key, ": the local checkpoint ", reader.path().string(),
             " was saved at another layout (", who, " expects offset ", dims_text(global_offset), ")");
     const std::vector<std::int64_t> zero(count.size(), 0);
-    reader.read(d, zero, count, dst, method);
+    reader.read(d, zero, count, dst, options);
   }
 };
 
 // Loads every sharded entry of the request into the tree: plain shards as new buffers, factories as
-// their padded shard (pieces read into its rows, pad rows zeroed) or, on a padding-only rank, as
-// the zero-element placeholder that the save kept.
+// their padded shard (pieces read into its rows, pad rows zeroed). A padding-only rank reads nothing.
 void load_shards(const Source& src, const StateDict& request, Tree& tree) {
   for (const ShardedTensor& t : request.tensors()) {
     HostBuffer buf = HostBuffer::uninitialized(t.dtype, t.shape);
@@ -100,17 +77,8 @@ void load_shards(const Source& src, const StateDict& request, Tree& tree) {
   }
   for (const ShardedParam& p : request.params()) {
     const RankPlan plan = plan_rank(p.spec, p.gtp, p.align, p.coord);
+    if (plan.padding_only) continue;
     const Extents shape = p.shard_shape();
-    if (plan.padding_only) {
-      if (src.local) {
-        const DatasetInfo& d = src.reader.dataset(p.spec.key);
-        require(d.placeholder, Errc::shape_mismatch, where(p),
-                ": the local checkpoint holds no placeholder under its key");
-        check_dataset(d, p.dtype, shape.with_rows(0).dims(), where(p));
-      }
-      tree.emplace(p.spec.key, HostBuffer::zeros(p.dtype, shape.with_rows(0)));
-      continue;
-    }
     HostBuffer shard = HostBuffer::uninitialized(p.dtype, shape);
     const MutTensorView rows = shard.mut_view();
     for (const Piece& piece : plan.pieces)
@@ -120,6 +88,16 @@ void load_shards(const Source& src, const StateDict& request, Tree& tree) {
     if (!pad.empty()) std::memset(pad.data(), 0, pad.bytes());
     tree.emplace(p.spec.key, std::move(shard));
   }
+}
+
+// The local (non-persistent) values of a load: the request's own, and for every parameter of which
+// this rank holds only pad rows, the zero-row placeholder that keeps its key, dtype and trailing
+// shape. Neither comes from the file.
+void add_local_values(const StateDict& request, Tree& tree) {
+  for (const auto& [key, value] : request.local()) tree.insert_or_assign(key, value);
+  for (const ShardedParam& p : request.params())
+    if (plan_rank(p.spec, p.gtp, p.align, p.coord).padding_only)
+      tree.insert_or_assign(p.spec.key, HostBuffer::zeros(p.dtype, p.shard_shape().with_rows(0)));
 }
 
 // Factory merges, applied to the complete tree: a padding-only rank's placeholder becomes its
@@ -138,16 +116,19 @@ void merge_factories(const StateDict& request, Tree& tree) {
   }
 }
 
-LoadedState load_with(const fs::path& path, const StateDict& request, LoadOptions options, CheckpointKind kind) {
-  const CheckpointReader reader(path);
-  require(reader.contents().kind == kind, Errc::not_a_checkpoint, path.string(), " is a ",
+LoadedState load_with(const CheckpointReader& reader, const StateDict& request, const LoadOptions& options,
+                      CheckpointKind kind) {
+  require(options.expect_id.empty() || reader.contents().id == options.expect_id, Errc::replaced,
+          reader.path().string(), " holds checkpoint ", reader.contents().id, ", not ", options.expect_id,
+          ": it was replaced since it was opened");
+  require(reader.contents().kind == kind, Errc::not_a_checkpoint, reader.path().string(), " is a ",
           reader.contents().kind == CheckpointKind::local ? "local (per-rank)" : "global", " checkpoint; use ",
           reader.contents().kind == CheckpointKind::local ? "load_local" : "load");
   Tree tree;
-  load_shards(Source{reader, kind == CheckpointKind::local, options.method}, request, tree);
+  load_shards(Source{reader, kind == CheckpointKind::local, {options.method, options.verify_checksums}}, request, tree);
   // The complete tree first (shards, common values, local values), then the factory merges.
   for (const auto& [key, value] : reader.contents().common) tree.emplace(key, value);
-  for (const auto& [key, value] : request.local()) tree.insert_or_assign(key, value);
+  add_local_values(request, tree);
   merge_factories(request, tree);
   return LoadedState(std::move(tree));
 }
@@ -218,10 +199,6 @@ SavePlan prepare_save(const StateDict& state) {
             dims_text(p.shard.shape().dims()), " but ", p.spec.rows(), " rows over ", p.gtp, " GTP ranks at alignment ",
             p.align, " give padded shards of shape ", dims_text(shape.dims()));
     out.params.push_back(record_of(p.spec));
-    if (plan.padding_only) {
-      out.placeholders.push_back({p.spec.key, p.dtype, shape.with_rows(0)});
-      continue;
-    }
     for (const Piece& piece : plan.pieces)
       out.items.push_back({piece.key, p.dtype, piece.global_shape, piece.global_offset, piece.count,
                            plan.main_replica && p.replica_id == 0,
@@ -236,18 +213,6 @@ std::vector<Claim> claims_of(const SavePlan& plan, int rank) {
   out.reserve(plan.items.size());
   for (const SaveItem& i : plan.items)
     out.push_back({i.key, i.dtype, i.global_shape, i.global_offset, i.count, rank, i.main_replica});
-  return out;
-}
-
-std::vector<DatasetSpec> datasets_of(std::span<const Claim> claims) {
-  std::map<std::string_view, std::vector<const Claim*>> by_key;
-  for (const Claim& c : claims) by_key[c.key].push_back(&c);
-  std::vector<DatasetSpec> out;
-  out.reserve(by_key.size());
-  for (const auto& [key, list] : by_key) {
-    const Claim& c = *list.front();
-    out.push_back({c.key, c.dtype, c.global_shape, std::nullopt, false, band_chunk(list)});
-  }
   return out;
 }
 
@@ -287,34 +252,54 @@ const CommonValue& LoadedState::value(std::string_view key) const {
   return std::get<CommonValue>(it->second);
 }
 
+void notice_unchecked(const CheckpointReader& reader, const LoadOptions& options) {
+  if (!options.verify_checksums || reader.checksummed()) return;
+  const std::string line = cat(reader.path().string(), " was written before checksums existed (format version ",
+                               reader.version(), "): its bytes are loaded unchecked");
+  if (options.notice)
+    options.notice(line);
+  else
+    std::cerr << "shardckpt: notice: " << line << "\n";
+}
+
+LoadedState load(const CheckpointReader& reader, const StateDict& request, LoadOptions options) {
+  return load_with(reader, request, options, CheckpointKind::global);
+}
+
 LoadedState load(const fs::path& path, const StateDict& request, LoadOptions options) {
-  return load_with(path, request, options, CheckpointKind::global);
+  const CheckpointReader reader(path);
+  notice_unchecked(reader, options);
+  return load_with(reader, request, options, CheckpointKind::global);
 }
 
 LoadedState load_local(const fs::path& path, const StateDict& request, LoadOptions options) {
-  return load_with(path, request, options, CheckpointKind::local);
+  const CheckpointReader reader(path);
+  notice_unchecked(reader, options);
+  return load_with(reader, request, options, CheckpointKind::local);
 }
 
 void save_local(const StateDict& state, const fs::path& path, IoMethod method) {
   const ForbidMaterialization no_copies;
   const SavePlan plan = prepare_save(state);
   std::vector<DatasetSpec> specs;
-  for (const SaveItem& i : plan.items)
-    specs.push_back({i.key, i.dtype, i.count, PiecePlacement{i.global_shape, i.global_offset}, false, {}});
-  for (const Placeholder& p : plan.placeholders)
-    specs.push_back({p.key, p.dtype, p.shape.to_vector(), std::nullopt, true, {}});
-  const fs::path partial = partial_path(path);
+  std::int64_t units = 0;
+  for (const SaveItem& i : plan.items) {
+    const Box whole = whole_box(i.count);
+    specs.push_back({i.key, i.dtype, i.count, PiecePlacement{i.global_shape, i.global_offset}, {}, {}});
+    if (!whole.empty()) specs.back().slabs.push_back({whole, units});
+    units += units_of(whole);
+  }
+  const fs::path target = io::follow_links(path);
+  const fs::path partial = partial_path(target);
   try {
-    const std::vector<DatasetInfo> infos =
-        create_skeleton(partial, specs, {CheckpointKind::local, plan.params, plan.common});
-    PieceWriter writer(partial, method);
-    for (std::size_t n = 0; n < plan.items.size(); ++n) {
-      const SaveItem& i = plan.items[n];
-      writer.write(infos[n], std::vector<std::int64_t>(i.count.size(), 0), i.count, i.data);
-    }
+    const Skeleton skeleton =
+        create_skeleton(partial, specs, {CheckpointKind::local, plan.params, plan.common, io::random_id()}, units);
+    PieceWriter writer(partial, method, skeleton.checksums_address, 0);
+    for (std::size_t n = 0; n < plan.items.size(); ++n)
+      writer.write(skeleton.datasets[n], whole_box(plan.items[n].count), plan.items[n].data);
     writer.finish();
     mark_complete(partial);
-    commit(partial, path);
+    commit(partial, target);
   } catch (Error& e) {
     discard(partial);
     throw std::move(e.add_context(cat("while saving the local checkpoint ", path.string())));

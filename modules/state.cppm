@@ -1,25 +1,27 @@
-// shardckpt.merge: state dicts and the load-side assembly. A state dict holds sharded tensors,
+// shardckpt.state: state dicts and their save and load planning. A state dict holds sharded tensors,
 // GTP-sharded parameters (factories: expanded into views of their shard's rows on save, merged back
 // into a padded shard on load), common values and local non-persistent values. prepare_save turns a
-// state dict into writes without copying a byte; load reads each piece straight into its rows of
-// the destination shard and only then merges every factory against the complete loaded tree
-// (loaded shards, common values, local values), on the global path and the per-rank local path.
+// state dict into writes without copying a byte; a load reads each piece straight into its rows of
+// the destination shard, takes each padding-only rank's placeholder from the request as a local
+// value, and only then merges every factory against the complete loaded tree (loaded shards,
+// common values, local values), on the global path and the per-rank local path alike.
 // Nothing here knows about ranks beyond the state dict it is given: coordination lives in dist.
 module;
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <optional>
 #include <map>
 #include <span>
 #include <string>
 #include <string_view>
 #include <variant>
 #include <vector>
-export module shardckpt.merge;
+export module shardckpt.state;
 import shardckpt.core;
 import shardckpt.layout;
 import shardckpt.views;
-import shardckpt.storage;
+import shardckpt.format;
 
 export namespace shardckpt {
 
@@ -89,18 +91,10 @@ struct SaveItem {
   TensorView data;
 };
 
-// The zero-element stand-in a padding-only rank keeps for a parameter, so that its key, dtype and
-// shape survive preprocessing.
-struct Placeholder {
-  std::string key;
-  DType dtype = DType::f32;
-  Extents shape;  // zero rows, the parameter's trailing dims
-};
-
-// A state dict after save preprocessing: views and metadata, no tensor data of its own.
+// A state dict after save preprocessing: views and metadata, no tensor data of its own. A
+// padding-only rank contributes no item for a parameter: nothing of it reaches the file.
 struct SavePlan {
   std::vector<SaveItem> items;
-  std::vector<Placeholder> placeholders;
   std::vector<ParamRecord> params;
   std::map<std::string, CommonValue, std::less<>> common;
 };
@@ -110,9 +104,7 @@ struct SavePlan {
 SavePlan prepare_save(const StateDict& state);
 // The claims of one rank, for validate_claims.
 std::vector<Claim> claims_of(const SavePlan& plan, int rank);
-// One dataset per key of a validated claim set, in key order.
-std::vector<DatasetSpec> datasets_of(std::span<const Claim> claims);
-// Writes this rank's main-replica items into a skeleton whose datasets are `datasets`.
+// Writes this rank's main-replica items, in order, into a skeleton whose datasets are `datasets`.
 void write_items(const SavePlan& plan, std::span<const DatasetInfo> datasets, PieceWriter& writer);
 
 // A loaded state: tensors this rank owns now, and values.
@@ -134,14 +126,29 @@ class LoadedState {
 
 struct LoadOptions {
   IoMethod method = IoMethod::direct;
+  // Check every byte read against the checksum saved with it: a mismatch is Errc::corrupt naming
+  // the file, the key and the rows. Off only to read a damaged checkpoint on purpose.
+  bool verify_checksums = true;
+  // Told once per load when the checkpoint predates checksums (format version 1), so its bytes
+  // cannot be checked. Unset: one line on standard error (rank 0 only, in a collective load).
+  std::function<void(std::string_view)> notice = {};
+  // When set, the checkpoint must carry this id (CheckpointContents::id): a checkpoint that another
+  // save replaced since the caller looked at it is Errc::replaced, not a silent switch.
+  std::string expect_id = {};
 };
 
 // Loads this rank's part of a global checkpoint at the request's layout (any TP, GTP, alignment).
-// Throws Errc::missing_key, shape_mismatch, dtype_mismatch or not_a_checkpoint, changing nothing.
+// Throws Errc::missing_key, shape_mismatch, dtype_mismatch, not_a_checkpoint or corrupt, changing
+// nothing.
 LoadedState load(const std::filesystem::path& path, const StateDict& request, LoadOptions options = {});
+// The same from a checkpoint already open (a collective load opens it once per rank).
+LoadedState load(const CheckpointReader& reader, const StateDict& request, LoadOptions options = {});
+// Tells LoadOptions::notice (or standard error) that the checkpoint predates checksums, if it does.
+void notice_unchecked(const CheckpointReader& reader, const LoadOptions& options);
 
-// The per-rank path: a rank saves its own preprocessed state (pieces at their local shapes and
-// placeholders) to its own file, and loads it back at the same layout.
+// The per-rank path: a rank saves its own preprocessed state (its pieces at their local shapes) to
+// its own file, and loads it back at the same layout. A padding-only rank's parameters are not in
+// the file: the load rebuilds their placeholders from the request.
 void save_local(const StateDict& state, const std::filesystem::path& path, IoMethod method = IoMethod::direct);
 LoadedState load_local(const std::filesystem::path& path, const StateDict& request, LoadOptions options = {});
 

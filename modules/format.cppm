@@ -1,0 +1,222 @@
+// shardckpt.format: the checkpoint file format (docs/format.md) and the code that writes and reads
+// it. A checkpoint is one HDF5 file: every tensor key is a dataset at the root with its global
+// shape, so h5ls, h5dump and h5py see plain tensors; library metadata sits in the group
+// /_shardckpt. Every row of every slab a rank writes carries an XXH3-64 checksum, computed while it
+// is written, so that a load at any layout checks exactly the bytes it reads. Pieces are written
+// straight from the caller's memory by HDF5 hyperslab writes or by positional writes at the file
+// addresses of their data (the direct path); reads mirror them into the caller's rows. The reader
+// treats the file as hostile: every attribute, shape, address and table is checked before use.
+// This module never allocates a tensor and knows nothing of ranks or process groups.
+module;
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <variant>
+#include <vector>
+export module shardckpt.format;
+import shardckpt.core;
+import shardckpt.layout;
+import shardckpt.views;
+import shardckpt.io;
+
+export namespace shardckpt {
+
+// 1: parameters and common values; 2: adds data checksums and the checkpoint id. Both are read.
+inline constexpr int format_version = 2;
+
+// A value saved once for the whole checkpoint (iteration, configuration...).
+using CommonValue = std::variant<std::int64_t, double, std::string>;
+
+// A fused (or plain) parameter as the checkpoint records it: blocks with their global row counts,
+// in row order, and the global trailing dims. Enough to plan the parameter at any TP.
+struct ParamRecord {
+  std::string key;
+  TpAxis tp_axis = TpAxis::rows;
+  std::vector<Section> blocks;
+  std::vector<std::int64_t> trailing;
+  friend bool operator==(const ParamRecord&, const ParamRecord&) = default;
+};
+ParamRecord record_of(const ParamSpec& spec);
+ParamSpec spec_at_tp(const ParamRecord& record, std::int64_t tp);
+
+// Where one rank's piece sits in its dataset (local checkpoints keep it beside the data).
+struct PiecePlacement {
+  std::vector<std::int64_t> global_shape;
+  std::vector<std::int64_t> global_offset;
+  friend bool operator==(const PiecePlacement&, const PiecePlacement&) = default;
+};
+
+// What one writer covers of a dataset (a box of rows x flattened trailing elements) and the index
+// of the checksum of its first row in the checkpoint's checksum table; its other rows follow.
+struct Slab {
+  Box box;
+  std::int64_t first_unit = 0;
+};
+// Checksum units of a box: one per row, none for an empty box.
+std::int64_t units_of(const Box& box);
+
+struct DatasetSpec {
+  std::string key;
+  DType dtype = DType::f32;
+  std::vector<std::int64_t> shape;
+  std::optional<PiecePlacement> placement;  // local checkpoints only
+  // Chunk dims, or empty for a contiguous dataset (see datasets_of).
+  std::vector<std::int64_t> chunk;
+  std::vector<Slab> slabs;
+};
+
+// The datasets of a validated claim set, one per key in key order. `first_units[i]` is where the
+// checksums of claims[i] start (ignored for replicas and empty claims). The chunking policy: a
+// dataset whose pieces all split dim 1 into equal, aligned bands (row-parallel weights under TP) is
+// chunked one band wide, so that each band's rows are contiguous bytes; the rest are contiguous.
+std::vector<DatasetSpec> datasets_of(std::span<const Claim> claims, std::span<const std::int64_t> first_units);
+
+// Raw data the direct path can address: the elements `box` of a dataset, stored row-major from
+// `address` with rows of box.cols.size() elements. A contiguous dataset is one extent; a chunked one
+// has one per chunk (an edge chunk's box reaches past the data).
+struct Extent {
+  Box box;
+  std::uint64_t address = 0;
+};
+
+// A tensor dataset. `extents` are filled by create_skeleton for the writers' direct path (a
+// reader finds them itself).
+struct DatasetInfo {
+  std::string key;
+  DType dtype = DType::f32;
+  std::vector<std::int64_t> shape;
+  std::vector<Extent> extents;
+  std::optional<PiecePlacement> placement;
+};
+
+enum class CheckpointKind : std::uint8_t { global, local };
+
+// Metadata of a checkpoint besides its datasets. `id` is unique per save (empty in version 1).
+struct CheckpointContents {
+  CheckpointKind kind = CheckpointKind::global;
+  std::vector<ParamRecord> params;
+  std::map<std::string, CommonValue, std::less<>> common;
+  std::string id;
+};
+
+enum class IoMethod : std::uint8_t { direct, hyperslab };
+
+// The temporary name a save writes under before it commits: `<path>.partial`.
+std::filesystem::path partial_path(const std::filesystem::path& path);
+
+// A created, unwritten checkpoint: its datasets (with extents, in key order) and where the
+// checksum table starts in the file.
+struct Skeleton {
+  std::vector<DatasetInfo> datasets;
+  std::uint64_t checksums_address = 0;
+};
+
+// Creates (truncating) the file at `partial` with every dataset allocated at its full shape,
+// unwritten, a checksum table of `units` entries, and the metadata, but not marked complete.
+// Every write error (a full disk, a file-size limit, EIO) is an Error{Errc::io}; nothing of HDF5
+// stays open afterwards.
+Skeleton create_skeleton(const std::filesystem::path& partial, std::span<const DatasetSpec> datasets,
+                         const CheckpointContents& contents, std::int64_t units);
+
+// Writes pieces into a skeleton and the checksum of every row it writes. Writes copy nothing: HDF5
+// or pwrite read the caller's rows. The checksums of its rows fill the table from `first_unit` on,
+// in write order, which must be the order the skeleton's slabs were planned in.
+class PieceWriter {
+ public:
+  PieceWriter(const std::filesystem::path& partial, IoMethod method, std::uint64_t checksums_address,
+              std::int64_t first_unit);
+  PieceWriter(PieceWriter&&) noexcept;
+  PieceWriter& operator=(PieceWriter&&) noexcept;
+  ~PieceWriter();
+
+  // Writes `src` (box.rows rows of box.cols elements) over `box` of the dataset.
+  void write(const DatasetInfo& dataset, const Box& box, TensorView src);
+  // The same for the slab at `offset` with extent `count`; only dims 0 and 1 may be partial.
+  void write(const DatasetInfo& dataset, std::span<const std::int64_t> offset, std::span<const std::int64_t> count,
+             TensorView src);
+  // Writes the checksums, flushes everything to stable storage and closes, checking every step.
+  void finish();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Marks a fully written skeleton complete and flushes it to disk.
+void mark_complete(const std::filesystem::path& partial);
+// Atomically renames `partial` to `path` (replacing an earlier checkpoint) and syncs the directory.
+void commit(const std::filesystem::path& partial, const std::filesystem::path& path);
+// Removes a partial file after a failed save; never throws.
+void discard(const std::filesystem::path& partial) noexcept;
+
+struct ReadOptions {
+  IoMethod method = IoMethod::direct;
+  // Check every byte read against its checksum (Errc::corrupt on a mismatch).
+  bool verify = true;
+};
+
+// An open, complete checkpoint. Metadata and data come from one open file: a path replaced while
+// the reader is open does not change what it reads. Reads from many threads run in parallel on
+// the direct path.
+class CheckpointReader {
+ public:
+  // Throws Errc::not_a_checkpoint for a file that is not a complete shardckpt checkpoint (missing,
+  // foreign, unfinished, truncated, or with metadata that contradicts itself), naming the attribute.
+  explicit CheckpointReader(const std::filesystem::path& path);
+  CheckpointReader(CheckpointReader&&) noexcept;
+  CheckpointReader& operator=(CheckpointReader&&) noexcept;
+  ~CheckpointReader();
+
+  const std::filesystem::path& path() const noexcept;
+  int version() const noexcept;
+  // False for checkpoints written before checksums existed (format version 1).
+  bool checksummed() const noexcept;
+  io::FileIdentity identity() const;
+  // Kind, common values, id, and the parameter records as parsed (see params()).
+  const CheckpointContents& contents() const noexcept;
+  // The parameter records, each checked against the datasets of its blocks (keys, shapes, one
+  // dtype); a contradiction is Errc::not_a_checkpoint naming the record.
+  const std::vector<ParamRecord>& params() const;
+  // Every tensor dataset, in key order. Headers are read on first use.
+  const std::vector<DatasetInfo>& datasets() const;
+  // Objects at the root that are not tensors (groups, scalar datasets, unsupported element types)
+  // with the reason they are skipped.
+  const std::vector<std::pair<std::string, std::string>>& skipped() const;
+  // Throws Errc::missing_key, or Errc::not_a_checkpoint for a skipped object.
+  const DatasetInfo& dataset(std::string_view key) const;
+  // The slabs a dataset was saved in, checked to tile it exactly (empty in version 1).
+  std::vector<Slab> slabs(const DatasetInfo& dataset) const;
+
+  // Reads `box` of the dataset into `dst` (box rows of box width, the dataset's dtype).
+  void read(const DatasetInfo& dataset, const Box& box, MutTensorView dst, ReadOptions options = {}) const;
+  // The same for the slab at `offset` with extent `count`.
+  void read(const DatasetInfo& dataset, std::span<const std::int64_t> offset, std::span<const std::int64_t> count,
+            MutTensorView dst, ReadOptions options = {}) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// What verify_checkpoint found.
+struct VerifyReport {
+  bool checksummed = true;
+  std::int64_t datasets = 0;
+  std::int64_t bytes = 0;
+  std::int64_t units = 0;       // rows checked
+  std::int64_t mismatches = 0;  // rows whose bytes differ from their checksum
+  std::vector<std::string> problems;  // the first few, naming key and rows
+};
+// Reads every byte of every tensor of the checkpoint and checks it against its checksum.
+// `progress(bytes_done, bytes_total)` is called as it goes.
+VerifyReport verify_checkpoint(const CheckpointReader& reader,
+                               const std::function<void(std::int64_t, std::int64_t)>& progress = {});
+
+}  // namespace shardckpt

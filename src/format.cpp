@@ -1,0 +1,962 @@
+module;
+#include <hdf5.h>
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+#include <algorithm>
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <limits>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <variant>
+#include <vector>
+module shardckpt.format;
+import shardckpt.hdf5;
+
+namespace shardckpt {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using hdf5::check;
+using hdf5::Hid;
+using hdf5::owned;
+using hdf5::Where;
+
+// Checksums are over the bytes as stored (little-endian), and the direct path moves bytes as they
+// lie in memory: both need a little-endian host.
+static_assert(std::endian::native == std::endian::little, "shardckpt needs a little-endian host");
+
+constexpr const char* meta_group = "_shardckpt";
+constexpr const char* common_group = "_shardckpt/common";
+constexpr const char* slabs_group = "_shardckpt/slabs";
+constexpr const char* checksums_set = "_shardckpt/checksums";
+// The checksum scheme, recorded so that a future one is refused rather than misread.
+constexpr std::string_view checksum_scheme = "xxh3-64 of each row of each slab";
+
+// Rows are read and written in batches of about this many bytes: small enough that a batch is
+// still in cache when it is checksummed, large enough that calls are few.
+constexpr std::int64_t batch_bytes = std::int64_t{1} << 20;
+// Chunks of at most this many bytes (HDF5 caps a chunk at 4 GiB).
+constexpr std::int64_t max_chunk_bytes = std::int64_t{1} << 30;
+// Chunk lists longer than this (small chunks written by other tools) are read through HDF5.
+constexpr std::int64_t max_direct_chunks = std::int64_t{1} << 17;
+// Slabs in one dataset's table (5 values each) a reader accepts.
+constexpr std::size_t max_slab_values = std::size_t{5} << 24;
+
+std::uint64_t row_hash(const void* bytes, std::size_t n) noexcept { return XXH3_64bits(bytes, n); }
+
+std::int64_t element_size(DType t) { return static_cast<std::int64_t>(dtype_size(t)); }
+
+std::string dims_text(std::span<const std::int64_t> dims) {
+  std::string out = "[";
+  for (std::size_t i = 0; i < dims.size(); ++i) out += (i ? ", " : "") + std::to_string(dims[i]);
+  return out + "]";
+}
+
+std::string rows_text(const Box& box, const Box& whole) {
+  return cat("rows [", box.rows.begin, ", ", box.rows.end, ")",
+             box.cols == whole.cols ? std::string()
+                                    : cat(" (elements [", box.cols.begin, ", ", box.cols.end, ") of each row)"));
+}
+
+void require_key(std::string_view key) {
+  require(!key.empty() && key.find('/') == std::string_view::npos && key != "." && key[0] != '_',
+          Errc::invalid_argument, "key '", key,
+          "' cannot name a dataset: it must be non-empty, contain no '/' and not start with '_'");
+}
+
+// ---- parameter records -------------------------------------------------------------------------------
+
+json params_json(const std::vector<ParamRecord>& params) {
+  json out = json::array();
+  for (const ParamRecord& p : params) {
+    json blocks = json::array();
+    for (const Section& s : p.blocks) blocks.push_back({{"name", s.name}, {"rows", s.rows}});
+    out.push_back({{"key", p.key}, {"tp_axis", tp_axis_name(p.tp_axis)}, {"blocks", blocks}, {"trailing", p.trailing}});
+  }
+  return out;
+}
+
+// Strict: every field present with its JSON type, integers in the int64 range, nothing nested
+// deeper than records need; then each record is planned once, which checks its geometry.
+std::vector<ParamRecord> params_from_json(std::string_view text) {
+  bool too_deep = false;
+  const json in = json::parse(
+      text,
+      [&](int depth, json::parse_event_t, json&) {
+        if (depth > 4) too_deep = true;
+        return !too_deep;
+      },
+      true);
+  if (too_deep) throw std::invalid_argument("nested deeper than parameter records are");
+  if (!in.is_array()) throw std::invalid_argument("not a JSON array");
+  const auto integer = [](const json& v, std::string_view what) {
+    if (v.is_number_unsigned()) {
+      const auto u = v.get<std::uint64_t>();
+      if (u > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
+        throw std::invalid_argument(cat(what, " ", u, " is past the int64 range"));
+      return static_cast<std::int64_t>(u);
+    }
+    if (!v.is_number_integer()) throw std::invalid_argument(cat(what, " is not an integer"));
+    return v.get<std::int64_t>();
+  };
+  const auto string = [](const json& v, std::string_view what) {
+    if (!v.is_string()) throw std::invalid_argument(cat(what, " is not a string"));
+    return v.get<std::string>();
+  };
+  std::vector<ParamRecord> out;
+  std::set<std::string> keys;
+  for (const json& p : in) {
+    if (!p.is_object() || !p.contains("key") || !p.contains("tp_axis") || !p.contains("blocks") ||
+        !p.contains("trailing"))
+      throw std::invalid_argument("a record is not an object with key, tp_axis, blocks and trailing");
+    ParamRecord r;
+    r.key = string(p["key"], "a record's key");
+    r.tp_axis = parse_tp_axis(string(p["tp_axis"], cat(r.key, ": tp_axis")));
+    if (!p["blocks"].is_array() || !p["trailing"].is_array())
+      throw std::invalid_argument(cat(r.key, ": blocks and trailing must be arrays"));
+    for (const json& b : p["blocks"]) {
+      if (!b.is_object() || !b.contains("name") || !b.contains("rows"))
+        throw std::invalid_argument(cat(r.key, ": a block is not an object with name and rows"));
+      r.blocks.push_back({string(b["name"], cat(r.key, ": a block name")), integer(b["rows"], cat(r.key, ": rows"))});
+    }
+    for (const json& t : p["trailing"]) r.trailing.push_back(integer(t, cat(r.key, ": a trailing dim")));
+    if (!keys.insert(r.key).second) throw std::invalid_argument(cat("parameter ", r.key, " is recorded twice"));
+    (void)spec_at_tp(r, 1);  // non-empty blocks, positive sizes, unique names, no overflow
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+// ---- raw data addresses and positional transfers -----------------------------------------------------
+
+// Where the raw data of an open dataset lies, when the direct path may use it: stored unfiltered in
+// exactly the library's type, allocated in full, split (if chunked) along dims 0 and 1 only.
+std::vector<Extent> extents_of(hid_t set, hid_t type, const std::vector<std::int64_t>& shape, DType dtype,
+                               const Where& w) {
+  const Box whole = whole_box(shape);
+  if (whole.empty() || !hdf5::stored_exactly(type, dtype)) return {};
+  Hid dcpl = owned(H5Dget_create_plist(set), H5Pclose, w, Errc::not_a_checkpoint);
+  const H5D_layout_t layout = H5Pget_layout(dcpl.get());
+  if (layout == H5D_CONTIGUOUS) {
+    const haddr_t addr = H5Dget_offset(set);
+    H5Eclear2(H5E_DEFAULT);  // an unallocated dataset has no address: not an error here
+    if (addr == HADDR_UNDEF) return {};
+    return {{whole, addr}};
+  }
+  if (layout != H5D_CHUNKED || check(H5Pget_nfilters(dcpl.get()), w, Errc::not_a_checkpoint) != 0) return {};
+  const std::size_t rank = shape.size();
+  std::vector<hsize_t> dims(rank);
+  if (check(H5Pget_chunk(dcpl.get(), static_cast<int>(rank), dims.data()), w, Errc::not_a_checkpoint) !=
+      static_cast<int>(rank))
+    return {};
+  std::int64_t inner = 1;
+  for (std::size_t d = 2; d < rank; ++d) {
+    if (static_cast<std::int64_t>(dims[d]) != shape[d]) return {};
+    inner *= shape[d];
+  }
+  for (hsize_t d : dims)
+    if (d == 0 || d > static_cast<hsize_t>(std::numeric_limits<std::int32_t>::max())) return {};
+  const auto chunk_rows = static_cast<std::int64_t>(dims[0]);
+  const std::int64_t chunk_dim1 = rank > 1 ? static_cast<std::int64_t>(dims[1]) : 1;
+  const std::int64_t chunk_cols = chunk_dim1 * inner;
+  const std::int64_t row_chunks = (shape[0] + chunk_rows - 1) / chunk_rows;
+  const std::int64_t col_chunks = rank > 1 ? (shape[1] + chunk_dim1 - 1) / chunk_dim1 : 1;
+  if (row_chunks > max_direct_chunks || col_chunks > max_direct_chunks / std::max<std::int64_t>(row_chunks, 1))
+    return {};
+  const std::int64_t chunk_bytes =
+      checked_mul(checked_mul(chunk_rows, chunk_cols, "chunk size", Errc::not_a_checkpoint), element_size(dtype),
+                  "chunk size", Errc::not_a_checkpoint);
+  std::vector<Extent> out;
+  std::vector<hsize_t> offset(rank, 0);
+  // Looked up by coordinate: HDF5 1.10 lists chunks by index only in quadratic time.
+  for (std::int64_t rc = 0; rc < row_chunks; ++rc)
+    for (std::int64_t cc = 0; cc < col_chunks; ++cc) {
+      offset[0] = static_cast<hsize_t>(rc * chunk_rows);
+      if (rank > 1) offset[1] = static_cast<hsize_t>(cc * chunk_dim1);
+      unsigned filters = 0;
+      haddr_t addr = HADDR_UNDEF;
+      hsize_t size = 0;
+      if (H5Dget_chunk_info_by_coord(set, offset.data(), &filters, &addr, &size) < 0 || addr == HADDR_UNDEF ||
+          size != static_cast<hsize_t>(chunk_bytes)) {
+        H5Eclear2(H5E_DEFAULT);  // chunks never written are not allocated: part of the data has no address
+        return {};
+      }
+      const std::int64_t row = rc * chunk_rows, col = cc * chunk_cols;
+      out.push_back({{{row, row + chunk_rows}, {col, col + chunk_cols}}, addr});
+    }
+  return out;
+}
+
+// Moves `box` (a box of one dataset) between the file and memory, where memory row i of the box
+// starts at mem + i * mem_stride bytes: one transfer per extent where rows are contiguous on both
+// sides, else one per row.
+template <class Mem>
+void transfer(io::File& file, bool write, std::span<const Extent> extents, std::int64_t es, const Box& box, Mem* mem,
+              std::int64_t mem_stride) {
+  std::int64_t moved = 0;
+  for (const Extent& e : extents) {
+    const Box hit = box.intersect(e.box);
+    if (hit.empty()) continue;
+    moved += box_elements(hit);
+    const std::int64_t file_stride = e.box.cols.size() * es, run = hit.cols.size() * es;
+    std::uint64_t at =
+        e.address + static_cast<std::uint64_t>(
+                        ((hit.rows.begin - e.box.rows.begin) * e.box.cols.size() + hit.cols.begin - e.box.cols.begin) * es);
+    Mem* p = mem + (hit.rows.begin - box.rows.begin) * mem_stride + (hit.cols.begin - box.cols.begin) * es;
+    if (run == file_stride && run == mem_stride) {
+      const auto n = static_cast<std::size_t>(run * hit.rows.size());
+      write ? file.pwrite_all(p, n, at) : file.pread_all(const_cast<std::byte*>(p), n, at);
+      continue;
+    }
+    for (std::int64_t r = 0; r < hit.rows.size(); ++r, p += mem_stride, at += static_cast<std::uint64_t>(file_stride))
+      write ? file.pwrite_all(p, static_cast<std::size_t>(run), at)
+            : file.pread_all(const_cast<std::byte*>(p), static_cast<std::size_t>(run), at);
+  }
+  require(moved == box_elements(box), Errc::not_a_checkpoint, file.path().string(),
+          ": the dataset's chunks do not cover the slab being moved");
+}
+
+// Rows per batch for rows of `row_bytes`.
+std::int64_t batch_rows(std::int64_t row_bytes) { return std::max<std::int64_t>(1, batch_bytes / std::max<std::int64_t>(row_bytes, 1)); }
+
+// Checks a box against a dataset and the caller's tensor.
+void check_box(const DatasetInfo& d, const Box& box, DType dtype, std::size_t bytes, const fs::path& file) {
+  require(dtype == d.dtype, Errc::dtype_mismatch, "key ", d.key, ": the dataset holds ", dtype_name(d.dtype),
+          " but the tensor is ", dtype_name(dtype));
+  const Box whole = whole_box(d.shape);
+  require(box.rows.begin >= 0 && box.rows.end <= whole.rows.end && box.cols.begin >= 0 &&
+              box.cols.end <= whole.cols.end && box.rows.begin <= box.rows.end && box.cols.begin <= box.cols.end,
+          Errc::invalid_argument, "key ", d.key, " of ", file.string(), ": ", rows_text(box, whole),
+          " are outside the dataset's ", dims_text(d.shape));
+  const auto n = static_cast<std::size_t>(checked_mul(box_elements(box), element_size(d.dtype), "slab bytes"));
+  require(n == bytes, Errc::shape_mismatch, "key ", d.key, ": a slab of ", n, " bytes does not match a tensor of ",
+          bytes, " bytes");
+}
+
+Box box_of(const DatasetInfo& d, std::span<const std::int64_t> offset, std::span<const std::int64_t> count) {
+  return footprint(Claim{d.key, d.dtype, d.shape, {offset.begin(), offset.end()}, {count.begin(), count.end()}, 0, true});
+}
+
+Hid create_dataset(hid_t file, const DatasetSpec& d, const Where& w) {
+  Hid dcpl = owned(H5Pcreate(H5P_DATASET_CREATE), H5Pclose, w);
+  if (d.chunk.empty()) {
+    check(H5Pset_layout(dcpl.get(), H5D_CONTIGUOUS), w);
+  } else {
+    const std::vector<hsize_t> chunk(d.chunk.begin(), d.chunk.end());
+    check(H5Pset_chunk(dcpl.get(), static_cast<int>(chunk.size()), chunk.data()), w);
+  }
+  // Allocated now and never filled: every byte has a fixed file address before any rank writes,
+  // and HDF5 spends no time writing fill values that pieces overwrite.
+  check(H5Pset_alloc_time(dcpl.get(), H5D_ALLOC_TIME_EARLY), w);
+  check(H5Pset_fill_time(dcpl.get(), H5D_FILL_TIME_NEVER), w);
+  const std::vector<hsize_t> dims(d.shape.begin(), d.shape.end());
+  Hid space = owned(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), H5Sclose, w);
+  Hid type = hdf5::type_of(d.dtype);
+  return owned(H5Dcreate2(file, d.key.c_str(), type.get(), space.get(), H5P_DEFAULT, dcpl.get(), H5P_DEFAULT),
+               H5Dclose, w);
+}
+
+}  // namespace
+
+// ---- records, slabs and the chunking policy ------------------------------------------------------------
+
+ParamRecord record_of(const ParamSpec& spec) {
+  return {spec.key, spec.tp_axis, global_sections(spec), global_trailing(spec)};
+}
+
+ParamSpec spec_at_tp(const ParamRecord& r, std::int64_t tp) {
+  require(!r.blocks.empty(), Errc::layout, r.key, ": a parameter needs at least one block");
+  return param_at_tp(r.key, r.blocks, r.trailing, r.tp_axis, tp);
+}
+
+std::int64_t units_of(const Box& box) { return box.empty() ? 0 : box.rows.size(); }
+
+std::vector<DatasetSpec> datasets_of(std::span<const Claim> claims, std::span<const std::int64_t> first_units) {
+  require(first_units.size() == claims.size(), Errc::internal, "one first unit per claim");
+  std::map<std::string_view, std::vector<std::size_t>> by_key;
+  for (std::size_t i = 0; i < claims.size(); ++i) by_key[claims[i].key].push_back(i);
+  std::vector<DatasetSpec> out;
+  out.reserve(by_key.size());
+  for (const auto& [key, list] : by_key) {
+    const Claim& c0 = claims[list.front()];
+    DatasetSpec spec{c0.key, c0.dtype, c0.global_shape, std::nullopt, {}, {}};
+    // Band chunking: every main piece one band of the same width, at a multiple of it.
+    const std::vector<std::int64_t>& shape = c0.global_shape;
+    std::int64_t width = 0;
+    bool banded = shape.size() >= 2 && shape[0] > 0;
+    for (std::size_t i : list) {
+      const Claim& c = claims[i];
+      const Box box = footprint(c);
+      if (c.main_replica && !box.empty()) spec.slabs.push_back({box, first_units[i]});
+      if (!banded || !c.main_replica || c.count[0] == 0) continue;
+      if (width == 0) width = c.count[1];
+      if (c.count[1] != width || width == 0 || c.global_offset[1] % width != 0) banded = false;
+    }
+    if (banded && width != 0 && width != shape[1] && shape[1] % width == 0) {
+      spec.chunk = shape;
+      spec.chunk[1] = width;
+      const std::int64_t row_bytes =
+          checked_mul(checked_mul(element_size(c0.dtype), width, "chunk row bytes"),
+                      element_count(std::span(shape).subspan(2)), "chunk row bytes");
+      spec.chunk[0] = std::clamp<std::int64_t>(max_chunk_bytes / row_bytes, 1, shape[0]);
+    }
+    std::sort(spec.slabs.begin(), spec.slabs.end(), [](const Slab& a, const Slab& b) {
+      return a.box.rows.begin != b.box.rows.begin ? a.box.rows.begin < b.box.rows.begin
+                                                  : a.box.cols.begin < b.box.cols.begin;
+    });
+    out.push_back(std::move(spec));
+  }
+  return out;
+}
+
+fs::path partial_path(const fs::path& path) { return fs::path(path.string() + ".partial"); }
+
+// ---- the writer side ----------------------------------------------------------------------------------
+
+Skeleton create_skeleton(const fs::path& partial, std::span<const DatasetSpec> datasets,
+                         const CheckpointContents& contents, std::int64_t units) {
+  require(units >= 0, Errc::internal, "a negative checksum count");
+  const Where w{partial, "", "create the checkpoint"};
+  io::File f = io::File::create(partial);
+  hdf5::Channel channel(f);
+  Skeleton out;
+  {
+    Hid file = hdf5::create_file(channel);
+    Hid meta = hdf5::create_group(file.get(), meta_group, w);
+    hdf5::write_attr(meta.get(), "format", std::string_view("shardckpt"), w);
+    hdf5::write_attr(meta.get(), "format_version", std::int64_t{format_version}, w);
+    hdf5::write_attr(meta.get(), "kind",
+                     std::string_view(contents.kind == CheckpointKind::global ? "global" : "local"), w);
+    hdf5::write_attr(meta.get(), "checkpoint_id", std::string_view(contents.id), w);
+    hdf5::write_attr(meta.get(), "checksums", checksum_scheme, w);
+    hdf5::write_attr(meta.get(), "params", std::string_view(params_json(contents.params).dump()), w);
+    meta.close(w);
+    Hid common = hdf5::create_group(file.get(), common_group, w);
+    for (const auto& [key, value] : contents.common) {
+      require_key(key);
+      hdf5::write_attr(common.get(), key.c_str(), value, w);
+    }
+    common.close(w);
+    {
+      const hsize_t n = static_cast<hsize_t>(units);
+      const DatasetSpec table{checksums_set, DType::u64, {units}, std::nullopt, {}, {}};
+      Hid set = create_dataset(file.get(), table, w);
+      if (n > 0) {
+        const haddr_t addr = H5Dget_offset(set.get());
+        require(addr != HADDR_UNDEF, Errc::hdf5, "HDF5 did not allocate the checksum table of ", partial.string());
+        out.checksums_address = addr;
+      }
+      set.close(w);
+    }
+    Hid slabs = hdf5::create_group(file.get(), slabs_group, w);
+    out.datasets.reserve(datasets.size());
+    for (const DatasetSpec& d : datasets) {
+      require_key(d.key);
+      const Where dw{partial, d.key, "create the dataset"};
+      Hid set = create_dataset(file.get(), d, dw);
+      if (d.placement) {
+        hdf5::write_attr(set.get(), "global_shape", std::span<const std::int64_t>(d.placement->global_shape), 0, dw);
+        hdf5::write_attr(set.get(), "global_offset", std::span<const std::int64_t>(d.placement->global_offset), 0, dw);
+      }
+      if (!d.slabs.empty()) {
+        std::vector<std::int64_t> table;
+        table.reserve(d.slabs.size() * 5);
+        for (const Slab& s : d.slabs)
+          table.insert(table.end(), {s.box.rows.begin, s.box.rows.end, s.box.cols.begin, s.box.cols.end, s.first_unit});
+        hdf5::write_attr(slabs.get(), d.key.c_str(), std::span<const std::int64_t>(table), 5, dw);
+      }
+      Hid type = hdf5::type_of(d.dtype);
+      out.datasets.push_back({d.key, d.dtype, d.shape, extents_of(set.get(), type.get(), d.shape, d.dtype, dw),
+                              d.placement});
+      set.close(dw);
+    }
+    slabs.close(w);
+    hdf5::close_written(file, channel, "create the checkpoint");
+  }
+  f.sync();
+  f.close();
+  return out;
+}
+
+struct PieceWriter::Impl {
+  fs::path path;
+  IoMethod method = IoMethod::direct;
+  std::uint64_t checksums_address = 0;
+  std::int64_t first_unit = 0;
+  io::File file;
+  std::unique_ptr<hdf5::Channel> channel;  // hyperslab path
+  Hid h5;                                  // hyperslab path
+  std::map<std::string, Hid, std::less<>> sets;
+  std::vector<std::uint64_t> hashes;
+
+  hid_t dataset(const std::string& key, const Where& w) {
+    auto it = sets.find(key);
+    if (it == sets.end()) it = sets.emplace(key, owned(H5Dopen2(h5.get(), key.c_str(), H5P_DEFAULT), H5Dclose, w)).first;
+    return it->second.get();
+  }
+};
+
+PieceWriter::PieceWriter(const fs::path& partial, IoMethod method, std::uint64_t checksums_address,
+                         std::int64_t first_unit)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  m.path = partial;
+  m.method = method;
+  m.checksums_address = checksums_address;
+  m.first_unit = first_unit;
+  if (method == IoMethod::direct) {
+    m.file = io::File::open_write(partial);
+    return;
+  }
+  m.file = io::File::open_update(partial);
+  m.channel = std::make_unique<hdf5::Channel>(m.file);
+  m.h5 = hdf5::open_file(*m.channel, true, Errc::hdf5);
+}
+
+PieceWriter::PieceWriter(PieceWriter&&) noexcept = default;
+PieceWriter& PieceWriter::operator=(PieceWriter&&) noexcept = default;
+PieceWriter::~PieceWriter() {
+  if (!impl_) return;
+  // An abandoned writer (its save failed): close HDF5 objects before the channel they use.
+  impl_->sets.clear();
+  impl_->h5 = Hid();
+}
+
+void PieceWriter::write(const DatasetInfo& d, const Box& box, TensorView src) {
+  Impl& m = *impl_;
+  check_box(d, box, src.dtype(), src.bytes(), m.path);
+  if (box.empty()) return;
+  const std::int64_t es = element_size(d.dtype), row_bytes = box.cols.size() * es;
+  require(m.method == IoMethod::hyperslab || !d.extents.empty(), Errc::invalid_argument, "key ", d.key,
+          ": the direct path needs a dataset whose raw data it can address");
+  const Where w{m.path, d.key, "write a piece"};
+  const auto* bytes = static_cast<const std::byte*>(static_cast<const void*>(src.data()));
+  const std::int64_t step = batch_rows(row_bytes);
+  for (std::int64_t r0 = box.rows.begin; r0 < box.rows.end; r0 += step) {
+    const Box batch{{r0, std::min(r0 + step, box.rows.end)}, box.cols};
+    const std::byte* p = bytes + (r0 - box.rows.begin) * row_bytes;
+    // Each row's checksum is taken just before its bytes go out, while they are in cache.
+    for (std::int64_t r = 0; r < batch.rows.size(); ++r)
+      m.hashes.push_back(row_hash(p + r * row_bytes, static_cast<std::size_t>(row_bytes)));
+    if (m.method == IoMethod::direct)
+      transfer(m.file, true, d.extents, es, batch, p, row_bytes);
+    else
+      hdf5::write_box(m.dataset(d.key, w), d.dtype, d.shape, batch, p, w);
+  }
+}
+
+void PieceWriter::write(const DatasetInfo& d, std::span<const std::int64_t> offset,
+                        std::span<const std::int64_t> count, TensorView src) {
+  write(d, box_of(d, offset, count), src);
+}
+
+void PieceWriter::finish() {
+  Impl& m = *impl_;
+  const Where w{m.path, "", "write the checksums"};
+  if (!m.hashes.empty()) {
+    const auto n = static_cast<std::int64_t>(m.hashes.size());
+    if (m.method == IoMethod::direct) {
+      m.file.pwrite_all(m.hashes.data(), m.hashes.size() * sizeof(std::uint64_t),
+                        m.checksums_address + static_cast<std::uint64_t>(m.first_unit) * sizeof(std::uint64_t));
+    } else {
+      const std::int64_t total = hdf5::shape_of(m.dataset(checksums_set, w), w, Errc::hdf5).at(0);
+      require(m.first_unit + n <= total, Errc::internal, "checksums past the end of the table");
+      hdf5::write_box(m.dataset(checksums_set, w), DType::u64, std::vector<std::int64_t>{total},
+                      {{m.first_unit, m.first_unit + n}, {0, 1}}, m.hashes.data(), w);
+    }
+  }
+  if (m.method == IoMethod::hyperslab) {
+    for (auto& [key, set] : m.sets) set.close({m.path, key, "write a piece"});
+    m.sets.clear();
+    hdf5::close_written(m.h5, *m.channel, "write pieces");
+  }
+  m.file.sync();
+  m.file.close();
+}
+
+void mark_complete(const fs::path& partial) {
+  const Where w{partial, "", "mark the checkpoint complete"};
+  io::File f = io::File::open_update(partial);
+  hdf5::Channel channel(f);
+  {
+    Hid file = hdf5::open_file(channel, true, Errc::hdf5);
+    Hid meta = owned(H5Gopen2(file.get(), meta_group, H5P_DEFAULT), H5Gclose, w);
+    hdf5::write_attr(meta.get(), "complete", std::int64_t{1}, w);
+    meta.close(w);
+    hdf5::close_written(file, channel, "mark the checkpoint complete");
+  }
+  f.sync();
+  f.close();
+}
+
+void commit(const fs::path& partial, const fs::path& path) { io::rename_durably(partial, path); }
+
+void discard(const fs::path& partial) noexcept { io::remove_quietly(partial); }
+
+// ---- the reader ---------------------------------------------------------------------------------------
+
+struct CheckpointReader::Impl {
+  struct Entry {
+    bool read = false;
+    std::optional<DatasetInfo> info;
+    std::string skipped;  // why it is not a tensor
+    std::optional<std::vector<Extent>> extents;
+    std::optional<std::vector<Slab>> slabs;  // sorted by first row
+    std::vector<std::int64_t> slab_reach;    // running maximum of the slabs' end rows
+  };
+
+  fs::path path;
+  io::File file;
+  std::unique_ptr<hdf5::Channel> channel;
+  Hid h5;
+  Hid checksums;  // the checksum table (version 2)
+  int version = 0;
+  CheckpointContents contents;
+  std::int64_t total_units = 0;
+  std::optional<std::uint64_t> checksums_address;
+  std::uint64_t file_size = 0;
+
+  mutable std::mutex mutex;  // guards everything below
+  std::map<std::string, Entry, std::less<>> index;
+  std::optional<std::vector<DatasetInfo>> all;
+  std::optional<std::vector<std::pair<std::string, std::string>>> skipped;
+  std::optional<std::vector<ParamRecord>> checked_params;
+
+  [[noreturn]] void refuse(std::string_view why) const {
+    throw Error(Errc::not_a_checkpoint, cat(path.string(), " is not a shardckpt checkpoint: ", why));
+  }
+  Entry& entry(std::string_view key);
+  const DatasetInfo& info(std::string_view key);
+  const std::vector<Extent>& extents_for(Entry& e);
+  const std::vector<Slab>& slabs_for(Entry& e);
+  void read_units(std::int64_t first, std::int64_t n, std::uint64_t* out) const;
+  void raw_read(const DatasetInfo& d, Entry& e, const Box& box, std::byte* mem, std::int64_t mem_row_elems,
+                std::int64_t mem_col, IoMethod method);
+  void read_metadata();
+};
+
+void CheckpointReader::Impl::read_metadata() {
+  const Where w{path, "", "read the checkpoint metadata"};
+  const Errc no = Errc::not_a_checkpoint;
+  if (!hdf5::link_exists(h5.get(), meta_group, w) || hdf5::object_type(h5.get(), meta_group, w) != H5O_TYPE_GROUP)
+    refuse("it has no /_shardckpt group");
+  Hid meta = owned(H5Gopen2(h5.get(), meta_group, H5P_DEFAULT), H5Gclose, w, no);
+  for (const char* name : {"format", "format_version", "kind", "params"})
+    if (!hdf5::has_attr(meta.get(), name, w)) refuse(cat("/_shardckpt has no attribute ", name));
+  if (hdf5::read_string(meta.get(), "format", w, no) != "shardckpt") refuse("/_shardckpt names another format");
+  const std::int64_t v = hdf5::read_int(meta.get(), "format_version", w, no);
+  if (v < 1 || v > format_version)
+    refuse(cat("format version ", v, " is not one this library reads (1 to ", format_version, ")"));
+  version = static_cast<int>(v);
+  if (!hdf5::has_attr(meta.get(), "complete", w)) refuse("the save that wrote it did not finish");
+  if (hdf5::read_int(meta.get(), "complete", w, no) != 1)
+    refuse("attribute complete is not 1: the save that wrote it did not finish");
+  const std::string kind = hdf5::read_string(meta.get(), "kind", w, no);
+  if (kind != "global" && kind != "local") refuse(cat("attribute kind is '", kind, "', not global or local"));
+  contents.kind = kind == "local" ? CheckpointKind::local : CheckpointKind::global;
+  try {
+    contents.params = params_from_json(hdf5::read_string(meta.get(), "params", w, no));
+  } catch (const Error& e) {
+    if (e.code() == no) throw;
+    refuse(cat("attribute params does not hold valid parameter records: ", e.what()));
+  } catch (const std::exception& e) {  // not JSON, or fields of the wrong type
+    refuse(cat("attribute params does not hold valid parameter records: ", e.what()));
+  }
+  if (!hdf5::link_exists(h5.get(), common_group, w) || hdf5::object_type(h5.get(), common_group, w) != H5O_TYPE_GROUP)
+    refuse("it has no /_shardckpt/common group");
+  Hid common = owned(H5Gopen2(h5.get(), common_group, H5P_DEFAULT), H5Gclose, w, no);
+  hdf5::for_each_attr(common.get(), w, [&](const char* name) {
+    contents.common.emplace(name, hdf5::read_value(common.get(), name, w, no));
+  });
+  if (version < 2) return;
+
+  for (const char* name : {"checkpoint_id", "checksums"})
+    if (!hdf5::has_attr(meta.get(), name, w)) refuse(cat("/_shardckpt has no attribute ", name));
+  contents.id = hdf5::read_string(meta.get(), "checkpoint_id", w, no);
+  if (contents.id.size() != 32 || contents.id.find_first_not_of("0123456789abcdef") != std::string::npos)
+    refuse("attribute checkpoint_id is not 32 hex digits");
+  if (hdf5::read_string(meta.get(), "checksums", w, no) != checksum_scheme)
+    refuse("attribute checksums names a checksum scheme this library does not know");
+  if (!hdf5::link_exists(h5.get(), slabs_group, w) || hdf5::object_type(h5.get(), slabs_group, w) != H5O_TYPE_GROUP)
+    refuse("it has no /_shardckpt/slabs group");
+  if (!hdf5::link_exists(h5.get(), checksums_set, w) ||
+      hdf5::object_type(h5.get(), checksums_set, w) != H5O_TYPE_DATASET)
+    refuse("it has no /_shardckpt/checksums dataset");
+  const Where cw{path, checksums_set, "read the checksum table"};
+  checksums = owned(H5Dopen2(h5.get(), checksums_set, H5P_DEFAULT), H5Dclose, cw, no);
+  Hid type = owned(H5Dget_type(checksums.get()), H5Tclose, cw, no);
+  const std::vector<std::int64_t> shape = hdf5::shape_of(checksums.get(), cw, no);
+  if (shape.size() != 1 || hdf5::dtype_of(type.get()) != DType::u64)
+    refuse("/_shardckpt/checksums is not a 1-D table of u64");
+  total_units = shape[0];
+  const std::vector<Extent> table = extents_of(checksums.get(), type.get(), shape, DType::u64, cw);
+  if (table.size() == 1) {
+    const std::uint64_t bytes = static_cast<std::uint64_t>(total_units) * sizeof(std::uint64_t);
+    if (table[0].address > file_size || bytes > file_size - table[0].address)
+      refuse("its checksum table ends past the end of the file (truncated)");
+    checksums_address = table[0].address;
+  }
+}
+
+CheckpointReader::CheckpointReader(const fs::path& path) : impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  m.path = path;
+  std::error_code ec;
+  if (!fs::exists(path, ec)) m.refuse("no such file");
+  if (!fs::is_regular_file(path, ec)) m.refuse("not a regular file");
+  m.file = io::File::open_read(path);
+  m.file_size = m.file.size();
+  m.channel = std::make_unique<hdf5::Channel>(m.file);
+  try {
+    m.h5 = hdf5::open_file(*m.channel, false, Errc::not_a_checkpoint);
+  } catch (const Error& e) {
+    if (e.code() == Errc::io) throw;
+    m.refuse(cat("not an HDF5 file HDF5 can open (", e.what(), ")"));
+  }
+  m.read_metadata();
+  const Where w{path, "", "list the datasets"};
+  for (std::string& name : hdf5::link_names(m.h5.get(), w))
+    if (name != meta_group) m.index.try_emplace(std::move(name));
+}
+
+CheckpointReader::CheckpointReader(CheckpointReader&&) noexcept = default;
+CheckpointReader& CheckpointReader::operator=(CheckpointReader&&) noexcept = default;
+CheckpointReader::~CheckpointReader() = default;
+
+CheckpointReader::Impl::Entry& CheckpointReader::Impl::entry(std::string_view key) {
+  const auto it = index.find(key);
+  require(it != index.end(), Errc::missing_key, "key ", key, " is not in ", path.string());
+  Entry& e = it->second;
+  if (e.read) return e;
+  e.read = true;
+  const std::string& name = it->first;
+  const Where dw{path, name, "read the dataset header"};
+  const Errc no = Errc::not_a_checkpoint;
+  if (hdf5::object_type(h5.get(), name.c_str(), dw) != H5O_TYPE_DATASET) {
+    e.skipped = "not a dataset";
+    return e;
+  }
+  Hid set = owned(H5Dopen2(h5.get(), name.c_str(), H5P_DEFAULT), H5Dclose, dw, no);
+  Hid type = owned(H5Dget_type(set.get()), H5Tclose, dw, no);
+  const std::optional<DType> dtype = hdf5::dtype_of(type.get());
+  if (!dtype) {
+    e.skipped = "an element type shardckpt does not store";
+    return e;
+  }
+  std::vector<std::int64_t> shape = hdf5::shape_of(set.get(), dw, no);
+  if (shape.empty()) {
+    e.skipped = "a scalar dataset (tensors have at least one dimension)";
+    return e;
+  }
+  DatasetInfo info{name, *dtype, std::move(shape), {}, std::nullopt};
+  if (hdf5::has_attr(set.get(), "global_offset", dw) || hdf5::has_attr(set.get(), "global_shape", dw)) {
+    PiecePlacement p{hdf5::read_ints(set.get(), "global_shape", 0, 32, dw, no),
+                     hdf5::read_ints(set.get(), "global_offset", 0, 32, dw, no)};
+    if (p.global_shape.size() != info.shape.size() || p.global_offset.size() != info.shape.size())
+      refuse(cat("dataset ", name, ": global_shape and global_offset do not match its rank ", info.shape.size()));
+    info.placement = std::move(p);
+  }
+  e.info = std::move(info);
+  return e;
+}
+
+const DatasetInfo& CheckpointReader::Impl::info(std::string_view key) {
+  Entry& e = entry(key);
+  if (!e.info) refuse(cat("the object ", key, " is ", e.skipped, ", not a tensor"));
+  return *e.info;
+}
+
+const std::vector<Extent>& CheckpointReader::Impl::extents_for(Entry& e) {
+  if (e.extents) return *e.extents;
+  const DatasetInfo& d = *e.info;
+  const Where dw{path, d.key, "locate the dataset's data"};
+  Hid set = owned(H5Dopen2(h5.get(), d.key.c_str(), H5P_DEFAULT), H5Dclose, dw, Errc::not_a_checkpoint);
+  Hid type = owned(H5Dget_type(set.get()), H5Tclose, dw, Errc::not_a_checkpoint);
+  std::vector<Extent> extents = extents_of(set.get(), type.get(), d.shape, d.dtype, dw);
+  for (const Extent& x : extents) {
+    const auto bytes = static_cast<std::uint64_t>(box_elements(x.box)) * dtype_size(d.dtype);
+    if (x.address > file_size || bytes > file_size - x.address)
+      refuse(cat("dataset ", d.key, " ends at byte ", x.address + bytes, " but the file has ", file_size,
+                 " (truncated)"));
+  }
+  return *(e.extents = std::move(extents));
+}
+
+const std::vector<Slab>& CheckpointReader::Impl::slabs_for(Entry& e) {
+  if (e.slabs) return *e.slabs;
+  const DatasetInfo& d = *e.info;
+  const Box whole = whole_box(d.shape);
+  std::vector<Slab> slabs;
+  if (version >= 2 && !whole.empty()) {
+    const Where w{path, d.key, "read the slab table"};
+    const Errc no = Errc::not_a_checkpoint;
+    Hid group = owned(H5Gopen2(h5.get(), slabs_group, H5P_DEFAULT), H5Gclose, w, no);
+    if (!hdf5::has_attr(group.get(), d.key.c_str(), w))
+      refuse(cat("dataset ", d.key, " has no slab table in /_shardckpt/slabs, so its bytes cannot be checked"));
+    const std::vector<std::int64_t> table = hdf5::read_ints(group.get(), d.key.c_str(), 5, max_slab_values, w, no);
+    std::vector<OwnedBox> boxes;
+    for (std::size_t i = 0; i < table.size(); i += 5) {
+      const Slab s{{{table[i], table[i + 1]}, {table[i + 2], table[i + 3]}}, table[i + 4]};
+      const bool inside = s.box.rows.begin >= 0 && s.box.rows.begin < s.box.rows.end &&
+                          s.box.rows.end <= whole.rows.end && s.box.cols.begin >= 0 &&
+                          s.box.cols.begin < s.box.cols.end && s.box.cols.end <= whole.cols.end;
+      if (!inside || s.first_unit < 0 || s.first_unit > total_units - s.box.rows.size())
+        refuse(cat("slab ", i / 5, " of dataset ", d.key, " lies outside the dataset or the checksum table"));
+      boxes.push_back({s.box, static_cast<std::int64_t>(i / 5)});
+      slabs.push_back(s);
+    }
+    const std::vector<std::string> problems = tiling_problems(d.key, boxes, whole, "slab", 4);
+    if (!problems.empty()) refuse(cat("its slab table does not cover dataset ", d.key, " exactly once: ", problems[0]));
+    std::sort(slabs.begin(), slabs.end(), [](const Slab& a, const Slab& b) {
+      return a.box.rows.begin != b.box.rows.begin ? a.box.rows.begin < b.box.rows.begin
+                                                  : a.box.cols.begin < b.box.cols.begin;
+    });
+  }
+  std::int64_t reach = 0;
+  for (const Slab& s : slabs) e.slab_reach.push_back(reach = std::max(reach, s.box.rows.end));
+  return *(e.slabs = std::move(slabs));
+}
+
+void CheckpointReader::Impl::read_units(std::int64_t first, std::int64_t n, std::uint64_t* out) const {
+  if (n == 0) return;
+  if (checksums_address) {
+    file.pread_all(out, static_cast<std::size_t>(n) * sizeof(std::uint64_t),
+                   *checksums_address + static_cast<std::uint64_t>(first) * sizeof(std::uint64_t));
+    return;
+  }
+  hdf5::read_box(checksums.get(), DType::u64, std::vector<std::int64_t>{total_units}, {{first, first + n}, {0, 1}}, out,
+                 1, 0, {path, checksums_set, "read checksums"});
+}
+
+void CheckpointReader::Impl::raw_read(const DatasetInfo& d, Entry& e, const Box& box, std::byte* mem,
+                                      std::int64_t mem_row_elems, std::int64_t mem_col, IoMethod method) {
+  const std::int64_t es = element_size(d.dtype);
+  if (method == IoMethod::direct) {
+    const std::vector<Extent>* extents = nullptr;
+    {
+      const std::lock_guard lock(mutex);
+      extents = &extents_for(e);
+    }
+    if (!extents->empty()) {
+      transfer(file, false, *extents, es, box, mem + mem_col * es, mem_row_elems * es);
+      return;
+    }
+  }
+  // Datasets the direct path cannot address (filtered, small chunks, another byte order) go through HDF5.
+  const Where w{path, d.key, "read a piece"};
+  Hid set = owned(H5Dopen2(h5.get(), d.key.c_str(), H5P_DEFAULT), H5Dclose, w, Errc::not_a_checkpoint);
+  hdf5::read_box(set.get(), d.dtype, d.shape, box, mem, mem_row_elems, mem_col, w);
+}
+
+const fs::path& CheckpointReader::path() const noexcept { return impl_->path; }
+int CheckpointReader::version() const noexcept { return impl_->version; }
+bool CheckpointReader::checksummed() const noexcept { return impl_->version >= 2; }
+io::FileIdentity CheckpointReader::identity() const { return impl_->file.identity(); }
+const CheckpointContents& CheckpointReader::contents() const noexcept { return impl_->contents; }
+
+const std::vector<ParamRecord>& CheckpointReader::params() const {
+  Impl& m = *impl_;
+  {
+    const std::lock_guard lock(m.mutex);
+    if (m.checked_params) return *m.checked_params;
+  }
+  std::set<std::string> covered;
+  for (const ParamRecord& r : m.contents.params) {
+    std::optional<DType> dtype;
+    const auto bad = [&](std::string_view why) {
+      m.refuse(cat("attribute params: the record of ", r.key, " ", why));
+    };
+    for (const Section& b : r.blocks) {
+      const std::string key = block_key(r.key, b.name);
+      if (!covered.insert(key).second) bad(cat("names dataset ", key, ", which another record names too"));
+      const DatasetInfo* d = nullptr;
+      try {
+        const std::lock_guard lock(m.mutex);
+        d = &m.info(key);
+      } catch (const Error& e) {
+        bad(cat("names dataset ", key, ": ", e.what()));
+      }
+      std::vector<std::int64_t> want{b.rows};
+      want.insert(want.end(), r.trailing.begin(), r.trailing.end());
+      if (d->shape != want)
+        bad(cat("says block ", key, " has shape ", dims_text(want), " but the dataset has ", dims_text(d->shape)));
+      if (dtype && *dtype != d->dtype) bad("has blocks of different dtypes");
+      dtype = d->dtype;
+    }
+  }
+  const std::lock_guard lock(m.mutex);
+  if (!m.checked_params) m.checked_params = m.contents.params;
+  return *m.checked_params;
+}
+
+const std::vector<DatasetInfo>& CheckpointReader::datasets() const {
+  Impl& m = *impl_;
+  const std::lock_guard lock(m.mutex);
+  if (!m.all) {
+    std::vector<DatasetInfo> all;
+    std::vector<std::pair<std::string, std::string>> skipped;
+    for (auto& [name, unused] : m.index) {
+      const Impl::Entry& e = m.entry(name);
+      if (e.info)
+        all.push_back(*e.info);
+      else
+        skipped.emplace_back(name, e.skipped);
+    }
+    m.all = std::move(all);
+    m.skipped = std::move(skipped);
+  }
+  return *m.all;
+}
+
+const std::vector<std::pair<std::string, std::string>>& CheckpointReader::skipped() const {
+  (void)datasets();
+  return *impl_->skipped;
+}
+
+const DatasetInfo& CheckpointReader::dataset(std::string_view key) const {
+  Impl& m = *impl_;
+  const std::lock_guard lock(m.mutex);
+  return m.info(key);
+}
+
+std::vector<Slab> CheckpointReader::slabs(const DatasetInfo& d) const {
+  Impl& m = *impl_;
+  const std::lock_guard lock(m.mutex);
+  Impl::Entry& e = m.entry(d.key);
+  (void)m.info(d.key);
+  return m.slabs_for(e);
+}
+
+void CheckpointReader::read(const DatasetInfo& d, const Box& box, MutTensorView dst, ReadOptions options) const {
+  Impl& m = *impl_;
+  check_box(d, box, dst.dtype(), dst.bytes(), m.path);
+  if (box.empty()) return;
+  auto* out = static_cast<std::byte*>(static_cast<void*>(dst.data()));
+  const std::int64_t es = element_size(d.dtype), width = box.cols.size();
+  Impl::Entry* e = nullptr;
+  const std::vector<Slab>* slabs = nullptr;
+  {
+    const std::lock_guard lock(m.mutex);
+    e = &m.entry(d.key);
+    (void)m.info(d.key);
+    if (options.verify && m.version >= 2) slabs = &m.slabs_for(*e);
+  }
+  if (!slabs) {
+    m.raw_read(d, *e, box, out, width, 0, options.method);
+    return;
+  }
+  const Box whole = whole_box(d.shape);
+  const auto mismatch = [&](const Box& unit) {
+    throw Error(Errc::corrupt, cat(m.path.string(), ": key ", d.key, ", ", rows_text(unit, whole),
+                                   ": the bytes read differ from the bytes saved (checksum mismatch)"));
+  };
+  std::vector<std::uint64_t> want;
+  std::vector<std::byte> scratch;
+  std::int64_t covered = 0;
+  // The slabs that can meet the box: those starting before its end whose reach passes its start.
+  const auto first = std::upper_bound(e->slab_reach.begin(), e->slab_reach.end(), box.rows.begin) - e->slab_reach.begin();
+  for (auto i = static_cast<std::size_t>(first); i < slabs->size() && (*slabs)[i].box.rows.begin < box.rows.end; ++i) {
+    const Slab& s = (*slabs)[i];
+    const Box sub = s.box.intersect(box);
+    if (sub.empty()) continue;
+    covered += box_elements(sub);
+    // Whole units (the slab's rows lie inside the box's columns) are read in place; units that
+    // reach past the box are read whole into scratch memory, checked, and the asked-for part copied.
+    const bool whole_units = box.cols.begin <= s.box.cols.begin && s.box.cols.end <= box.cols.end;
+    const std::int64_t unit_bytes = s.box.cols.size() * es;
+    const std::int64_t step = batch_rows(whole_units ? width * es : unit_bytes);
+    for (std::int64_t r0 = sub.rows.begin; r0 < sub.rows.end; r0 += step) {
+      const std::int64_t r1 = std::min(r0 + step, sub.rows.end), n = r1 - r0;
+      want.resize(static_cast<std::size_t>(n));
+      m.read_units(s.first_unit + (r0 - s.box.rows.begin), n, want.data());
+      std::byte* rows = out + (r0 - box.rows.begin) * width * es;
+      if (whole_units) {
+        m.raw_read(d, *e, {{r0, r1}, s.box.cols}, rows, width, s.box.cols.begin - box.cols.begin, options.method);
+        for (std::int64_t r = 0; r < n; ++r)
+          if (row_hash(rows + (r * width + s.box.cols.begin - box.cols.begin) * es,
+                       static_cast<std::size_t>(unit_bytes)) != want[static_cast<std::size_t>(r)])
+            mismatch({{r0 + r, r0 + r + 1}, s.box.cols});
+        continue;
+      }
+      scratch.resize(static_cast<std::size_t>(n * unit_bytes));
+      m.raw_read(d, *e, {{r0, r1}, s.box.cols}, scratch.data(), s.box.cols.size(), 0, options.method);
+      for (std::int64_t r = 0; r < n; ++r) {
+        const std::byte* unit = scratch.data() + r * unit_bytes;
+        if (row_hash(unit, static_cast<std::size_t>(unit_bytes)) != want[static_cast<std::size_t>(r)])
+          mismatch({{r0 + r, r0 + r + 1}, s.box.cols});
+        std::memcpy(rows + r * width * es + (sub.cols.begin - box.cols.begin) * es,
+                    unit + (sub.cols.begin - s.box.cols.begin) * es, static_cast<std::size_t>(sub.cols.size() * es));
+      }
+    }
+  }
+  require(covered == box_elements(box), Errc::not_a_checkpoint, m.path.string(), ": the slab table of ", d.key,
+          " does not cover ", rows_text(box, whole));
+}
+
+void CheckpointReader::read(const DatasetInfo& d, std::span<const std::int64_t> offset,
+                            std::span<const std::int64_t> count, MutTensorView dst, ReadOptions options) const {
+  read(d, box_of(d, offset, count), dst, options);
+}
+
+VerifyReport verify_checkpoint(const CheckpointReader& reader,
+                               const std::function<void(std::int64_t, std::int64_t)>& progress) {
+  VerifyReport report;
+  report.checksummed = reader.checksummed();
+  (void)reader.params();
+  std::int64_t total = 0, done = 0;
+  for (const DatasetInfo& d : reader.datasets())
+    total = checked_add(total, checked_mul(element_count(d.shape), element_size(d.dtype), "dataset bytes"),
+                        "checkpoint bytes");
+  report.datasets = static_cast<std::int64_t>(reader.datasets().size());
+  report.bytes = total;
+  if (!report.checksummed) return report;
+  std::vector<std::byte> buffer;
+  for (const DatasetInfo& d : reader.datasets()) {
+    const std::int64_t es = element_size(d.dtype);
+    for (const Slab& s : reader.slabs(d)) {
+      const std::int64_t row_bytes = s.box.cols.size() * es, step = batch_rows(row_bytes);
+      for (std::int64_t r0 = s.box.rows.begin; r0 < s.box.rows.end; r0 += step) {
+        const Box batch{{r0, std::min(r0 + step, s.box.rows.end)}, s.box.cols};
+        buffer.resize(static_cast<std::size_t>(box_elements(batch) * es));
+        const MutTensorView view = MutTensorView::borrow(buffer.data(), d.dtype, {batch.rows.size(), batch.cols.size()});
+        try {
+          reader.read(d, batch, view);
+          report.units += batch.rows.size();
+        } catch (const Error& e) {
+          if (e.code() != Errc::corrupt) throw;
+          // Find every bad row of the batch, not only the first.
+          for (std::int64_t r = batch.rows.begin; r < batch.rows.end; ++r) {
+            const Box row{{r, r + 1}, s.box.cols};
+            try {
+              reader.read(d, row, view.rows(0, 1));
+            } catch (const Error& bad) {
+              if (bad.code() != Errc::corrupt) throw;
+              if (report.mismatches++ < 16) report.problems.emplace_back(bad.what());
+            }
+            ++report.units;
+          }
+        }
+        done += box_elements(batch) * es;
+        if (progress) progress(done, total);
+      }
+    }
+  }
+  return report;
+}
+
+}  // namespace shardckpt
