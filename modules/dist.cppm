@@ -82,9 +82,14 @@ std::string_view save_phase_name(SavePhase phase) noexcept;
 
 struct SaveOptions {
   IoMethod method = IoMethod::direct;
+  // Checksum every written row (docs/format.md). Off, loads cannot check the bytes they read and
+  // say so; rank 0's choice holds for the whole save.
+  bool checksums = true;
   // Called on rank 0 as each phase begins (progress reports, tests that interrupt a save); must not
   // throw.
   std::function<void(SavePhase)> on_phase = {};
+  // Told, on the rank that wrote them, how many more bytes were written; must not throw.
+  BytesDone progress = {};
 };
 
 // Saves the state dicts of all ranks of `group` as one checkpoint at `path` (collective: every rank

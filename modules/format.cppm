@@ -99,14 +99,19 @@ struct DatasetInfo {
 enum class CheckpointKind : std::uint8_t { global, local };
 
 // Metadata of a checkpoint besides its datasets. `id` is unique per save (empty in version 1).
+// `checksummed` is false for version 1 and for saves that asked for no checksums.
 struct CheckpointContents {
   CheckpointKind kind = CheckpointKind::global;
   std::vector<ParamRecord> params;
   std::map<std::string, CommonValue, std::less<>> common;
   std::string id;
+  bool checksummed = true;
 };
 
 enum class IoMethod : std::uint8_t { direct, hyperslab };
+
+// Told how many more bytes of tensor data were written or read (progress reports).
+using BytesDone = std::function<void(std::int64_t bytes)>;
 
 // The temporary name a save writes under before it commits: `<path>.partial`.
 std::filesystem::path partial_path(const std::filesystem::path& path);
@@ -119,19 +124,27 @@ struct Skeleton {
 };
 
 // Creates (truncating) the file at `partial` with every dataset allocated at its full shape,
-// unwritten, a checksum table of `units` entries, and the metadata, but not marked complete.
+// unwritten, a checksum table of `units` entries (none unless contents.checksummed), and the
+// metadata, but not marked complete.
 // Every write error (a full disk, a file-size limit, EIO) is an Error{Errc::io}; nothing of HDF5
 // stays open afterwards.
 Skeleton create_skeleton(const std::filesystem::path& partial, std::span<const DatasetSpec> datasets,
                          const CheckpointContents& contents, std::int64_t units);
 
+// Where a writer's checksums go: the table's address in the file and the writer's first unit.
+struct ChecksumSlot {
+  std::uint64_t table_address = 0;
+  std::int64_t first_unit = 0;
+};
+
 // Writes pieces into a skeleton and the checksum of every row it writes. Writes copy nothing: HDF5
-// or pwrite read the caller's rows. The checksums of its rows fill the table from `first_unit` on,
-// in write order, which must be the order the skeleton's slabs were planned in.
+// or pwrite read the caller's rows. The checksums of its rows fill the table from the slot's first
+// unit on, in write order, which must be the order the skeleton's slabs were planned in. No slot:
+// the checkpoint has no checksums.
 class PieceWriter {
  public:
-  PieceWriter(const std::filesystem::path& partial, IoMethod method, std::uint64_t checksums_address,
-              std::int64_t first_unit);
+  PieceWriter(const std::filesystem::path& partial, IoMethod method, std::optional<ChecksumSlot> checksums,
+              BytesDone progress = {});
   PieceWriter(PieceWriter&&) noexcept;
   PieceWriter& operator=(PieceWriter&&) noexcept;
   ~PieceWriter();
@@ -160,6 +173,7 @@ struct ReadOptions {
   IoMethod method = IoMethod::direct;
   // Check every byte read against its checksum (Errc::corrupt on a mismatch).
   bool verify = true;
+  BytesDone progress = {};
 };
 
 // An open, complete checkpoint. Metadata and data come from one open file: a path replaced while
@@ -176,7 +190,7 @@ class CheckpointReader {
 
   const std::filesystem::path& path() const noexcept;
   int version() const noexcept;
-  // False for checkpoints written before checksums existed (format version 1).
+  // False for checkpoints written before checksums existed (format version 1) or saved without.
   bool checksummed() const noexcept;
   io::FileIdentity identity() const;
   // Kind, common values, id, and the parameter records as parsed (see params()).

@@ -135,6 +135,8 @@ struct LoadOptions {
   // When set, the checkpoint must carry this id (CheckpointContents::id): a checkpoint that another
   // save replaced since the caller looked at it is Errc::replaced, not a silent switch.
   std::string expect_id = {};
+  // Told, on the rank that reads them, how many more bytes were read (progress reports).
+  BytesDone progress = {};
 };
 
 // Loads this rank's part of a global checkpoint at the request's layout (any TP, GTP, alignment).
@@ -145,6 +147,20 @@ LoadedState load(const std::filesystem::path& path, const StateDict& request, Lo
 LoadedState load(const CheckpointReader& reader, const StateDict& request, LoadOptions options = {});
 // Tells LoadOptions::notice (or standard error) that the checkpoint predates checksums, if it does.
 void notice_unchecked(const CheckpointReader& reader, const LoadOptions& options);
+
+// Where one rank sits in the layout a tool loads a checkpoint at.
+struct LoadLayout {
+  std::int64_t tp = 1;
+  std::int64_t gtp = 1;
+  std::int64_t align = 0;
+  ShardCoord coord;
+  int replica_id = 0;
+};
+// The load request of one rank for every tensor of a global checkpoint, from the checkpoint's own
+// records: each parameter record planned at the layout's TP, GTP and alignment; every dataset no
+// record names as one plain parameter replicated on every TP rank. What a tool that knows no model
+// (shardckpt load, reshard) asks for.
+StateDict request_all(const CheckpointReader& reader, const LoadLayout& layout);
 
 // The per-rank path: a rank saves its own preprocessed state (its pieces at their local shapes) to
 // its own file, and loads it back at the same layout. A padding-only rank's parameters are not in

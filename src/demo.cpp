@@ -246,7 +246,7 @@ std::int64_t gather_save(const ModelConfig& config, const Layout& layout, const 
       partial, datasets,
       {CheckpointKind::global, records, {{"iteration", iteration}, {"model_config", config_json(config)}}, io::random_id()},
       units);
-  PieceWriter writer(partial, IoMethod::direct, skeleton.checksums_address, 0);
+  PieceWriter writer(partial, IoMethod::direct, ChecksumSlot{skeleton.checksums_address, 0});
   std::int64_t peak = 0;
   for (std::size_t w = 0; w < writes.size();) {
     const ParamSpec& spec = specs[writes[w].param];

@@ -544,7 +544,9 @@ void save(const StateDict& state, const fs::path& path, ProcessGroup& group, Sav
         [&](const std::vector<std::span<const std::byte>>& payloads) {
           CheckpointContents contents;
           contents.id = io::random_id();
-          const Planned planned = validate_in_parts(payloads, contents);
+          contents.checksummed = options.checksums;
+          Planned planned = validate_in_parts(payloads, contents);
+          if (!options.checksums) planned.units = 0;
           // A link is followed: the checkpoint replaces its target, in the target's directory.
           target = io::follow_links(path);
           partial = partial_path(target);
@@ -554,7 +556,7 @@ void save(const StateDict& state, const fs::path& path, ProcessGroup& group, Sav
           w.i64(static_cast<std::int64_t>(skeleton.datasets.size()));
           for (const DatasetInfo& d : skeleton.datasets) put_dataset(w, d);
           w.i64(static_cast<std::int64_t>(skeleton.checksums_address));
-          w.dims(planned.first_units);
+          w.dims(options.checksums ? planned.first_units : std::vector<std::int64_t>{});
           return w.take();
         });
     Reader r(created);
@@ -563,15 +565,18 @@ void save(const StateDict& state, const fs::path& path, ProcessGroup& group, Sav
     std::vector<DatasetInfo> datasets;
     for (std::int64_t n = r.i64(); n > 0; --n) datasets.push_back(get_dataset(r));
     const auto checksums_address = static_cast<std::uint64_t>(r.i64());
-    const std::vector<std::int64_t> first_units = r.dims();
-    require(first_units.size() == static_cast<std::size_t>(group.size()), Errc::collective,
+    const std::vector<std::int64_t> first_units = r.dims();  // empty: no checksums
+    require(first_units.empty() || first_units.size() == static_cast<std::size_t>(group.size()), Errc::collective,
             "the planning verdict does not have one checksum start per rank");
+    const std::optional<ChecksumSlot> slot =
+        first_units.empty() ? std::nullopt
+                            : std::optional<ChecksumSlot>({checksums_address, first_units[static_cast<std::size_t>(me)]});
     // 2. Every rank writes its own pieces and their checksums: all at once on the direct path; on the
     // hyperslab path one rank at a time, since HDF5 must not have one file open for writing in two
     // processes.
     phase(SavePhase::writing);
     auto write_mine = [&] {
-      PieceWriter writer(partial, options.method, checksums_address, first_units[static_cast<std::size_t>(me)]);
+      PieceWriter writer(partial, options.method, slot, options.progress);
       write_items(plan, datasets, writer);
       writer.finish();
     };

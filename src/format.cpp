@@ -46,6 +46,7 @@ constexpr const char* slabs_group = "_shardckpt/slabs";
 constexpr const char* checksums_set = "_shardckpt/checksums";
 // The checksum scheme, recorded so that a future one is refused rather than misread.
 constexpr std::string_view checksum_scheme = "xxh3-64 of each row of each slab";
+constexpr std::string_view no_checksums = "none";
 
 // Rows are read and written in batches of about this many bytes: small enough that a batch is
 // still in cache when it is checksummed, large enough that calls are few.
@@ -330,7 +331,7 @@ fs::path partial_path(const fs::path& path) { return fs::path(path.string() + ".
 
 Skeleton create_skeleton(const fs::path& partial, std::span<const DatasetSpec> datasets,
                          const CheckpointContents& contents, std::int64_t units) {
-  require(units >= 0, Errc::internal, "a negative checksum count");
+  require(units >= 0 && (contents.checksummed || units == 0), Errc::internal, "a checksum count of ", units);
   const Where w{partial, "", "create the checkpoint"};
   io::File f = io::File::create(partial);
   hdf5::Channel channel(f);
@@ -343,7 +344,7 @@ Skeleton create_skeleton(const fs::path& partial, std::span<const DatasetSpec> d
     hdf5::write_attr(meta.get(), "kind",
                      std::string_view(contents.kind == CheckpointKind::global ? "global" : "local"), w);
     hdf5::write_attr(meta.get(), "checkpoint_id", std::string_view(contents.id), w);
-    hdf5::write_attr(meta.get(), "checksums", checksum_scheme, w);
+    hdf5::write_attr(meta.get(), "checksums", contents.checksummed ? checksum_scheme : no_checksums, w);
     hdf5::write_attr(meta.get(), "params", std::string_view(params_json(contents.params).dump()), w);
     meta.close(w);
     Hid common = hdf5::create_group(file.get(), common_group, w);
@@ -352,18 +353,17 @@ Skeleton create_skeleton(const fs::path& partial, std::span<const DatasetSpec> d
       hdf5::write_attr(common.get(), key.c_str(), value, w);
     }
     common.close(w);
-    {
-      const hsize_t n = static_cast<hsize_t>(units);
+    if (contents.checksummed) {
       const DatasetSpec table{checksums_set, DType::u64, {units}, std::nullopt, {}, {}};
       Hid set = create_dataset(file.get(), table, w);
-      if (n > 0) {
+      if (units > 0) {
         const haddr_t addr = H5Dget_offset(set.get());
         require(addr != HADDR_UNDEF, Errc::hdf5, "HDF5 did not allocate the checksum table of ", partial.string());
         out.checksums_address = addr;
       }
       set.close(w);
     }
-    Hid slabs = hdf5::create_group(file.get(), slabs_group, w);
+    Hid slabs = contents.checksummed ? hdf5::create_group(file.get(), slabs_group, w) : Hid();
     out.datasets.reserve(datasets.size());
     for (const DatasetSpec& d : datasets) {
       require_key(d.key);
@@ -373,7 +373,7 @@ Skeleton create_skeleton(const fs::path& partial, std::span<const DatasetSpec> d
         hdf5::write_attr(set.get(), "global_shape", std::span<const std::int64_t>(d.placement->global_shape), 0, dw);
         hdf5::write_attr(set.get(), "global_offset", std::span<const std::int64_t>(d.placement->global_offset), 0, dw);
       }
-      if (!d.slabs.empty()) {
+      if (contents.checksummed && !d.slabs.empty()) {
         std::vector<std::int64_t> table;
         table.reserve(d.slabs.size() * 5);
         for (const Slab& s : d.slabs)
@@ -385,7 +385,7 @@ Skeleton create_skeleton(const fs::path& partial, std::span<const DatasetSpec> d
                               d.placement});
       set.close(dw);
     }
-    slabs.close(w);
+    if (slabs) slabs.close(w);
     hdf5::close_written(file, channel, "create the checkpoint");
   }
   f.sync();
@@ -396,13 +396,13 @@ Skeleton create_skeleton(const fs::path& partial, std::span<const DatasetSpec> d
 struct PieceWriter::Impl {
   fs::path path;
   IoMethod method = IoMethod::direct;
-  std::uint64_t checksums_address = 0;
-  std::int64_t first_unit = 0;
+  std::optional<ChecksumSlot> checksums;
   io::File file;
   std::unique_ptr<hdf5::Channel> channel;  // hyperslab path
   Hid h5;                                  // hyperslab path
   std::map<std::string, Hid, std::less<>> sets;
   std::vector<std::uint64_t> hashes;
+  BytesDone progress;
 
   hid_t dataset(const std::string& key, const Where& w) {
     auto it = sets.find(key);
@@ -411,14 +411,14 @@ struct PieceWriter::Impl {
   }
 };
 
-PieceWriter::PieceWriter(const fs::path& partial, IoMethod method, std::uint64_t checksums_address,
-                         std::int64_t first_unit)
+PieceWriter::PieceWriter(const fs::path& partial, IoMethod method, std::optional<ChecksumSlot> checksums,
+                         BytesDone progress)
     : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
   m.path = partial;
   m.method = method;
-  m.checksums_address = checksums_address;
-  m.first_unit = first_unit;
+  m.checksums = checksums;
+  m.progress = std::move(progress);
   if (method == IoMethod::direct) {
     m.file = io::File::open_write(partial);
     return;
@@ -451,12 +451,14 @@ void PieceWriter::write(const DatasetInfo& d, const Box& box, TensorView src) {
     const Box batch{{r0, std::min(r0 + step, box.rows.end)}, box.cols};
     const std::byte* p = bytes + (r0 - box.rows.begin) * row_bytes;
     // Each row's checksum is taken just before its bytes go out, while they are in cache.
-    for (std::int64_t r = 0; r < batch.rows.size(); ++r)
-      m.hashes.push_back(row_hash(p + r * row_bytes, static_cast<std::size_t>(row_bytes)));
+    if (m.checksums)
+      for (std::int64_t r = 0; r < batch.rows.size(); ++r)
+        m.hashes.push_back(row_hash(p + r * row_bytes, static_cast<std::size_t>(row_bytes)));
     if (m.method == IoMethod::direct)
       transfer(m.file, true, d.extents, es, batch, p, row_bytes);
     else
       hdf5::write_box(m.dataset(d.key, w), d.dtype, d.shape, batch, p, w);
+    if (m.progress) m.progress(batch.rows.size() * row_bytes);
   }
 }
 
@@ -470,14 +472,15 @@ void PieceWriter::finish() {
   const Where w{m.path, "", "write the checksums"};
   if (!m.hashes.empty()) {
     const auto n = static_cast<std::int64_t>(m.hashes.size());
+    const std::int64_t first = m.checksums->first_unit;
     if (m.method == IoMethod::direct) {
       m.file.pwrite_all(m.hashes.data(), m.hashes.size() * sizeof(std::uint64_t),
-                        m.checksums_address + static_cast<std::uint64_t>(m.first_unit) * sizeof(std::uint64_t));
+                        m.checksums->table_address + static_cast<std::uint64_t>(first) * sizeof(std::uint64_t));
     } else {
       const std::int64_t total = hdf5::shape_of(m.dataset(checksums_set, w), w, Errc::hdf5).at(0);
-      require(m.first_unit + n <= total, Errc::internal, "checksums past the end of the table");
+      require(first + n <= total, Errc::internal, "checksums past the end of the table");
       hdf5::write_box(m.dataset(checksums_set, w), DType::u64, std::vector<std::int64_t>{total},
-                      {{m.first_unit, m.first_unit + n}, {0, 1}}, m.hashes.data(), w);
+                      {{first, first + n}, {0, 1}}, m.hashes.data(), w);
     }
   }
   if (m.method == IoMethod::hyperslab) {
@@ -526,6 +529,7 @@ struct CheckpointReader::Impl {
   Hid h5;
   Hid checksums;  // the checksum table (version 2)
   int version = 0;
+  bool checksummed = false;
   CheckpointContents contents;
   std::int64_t total_units = 0;
   std::optional<std::uint64_t> checksums_address;
@@ -583,6 +587,7 @@ void CheckpointReader::Impl::read_metadata() {
   hdf5::for_each_attr(common.get(), w, [&](const char* name) {
     contents.common.emplace(name, hdf5::read_value(common.get(), name, w, no));
   });
+  contents.checksummed = false;
   if (version < 2) return;
 
   for (const char* name : {"checkpoint_id", "checksums"})
@@ -590,8 +595,10 @@ void CheckpointReader::Impl::read_metadata() {
   contents.id = hdf5::read_string(meta.get(), "checkpoint_id", w, no);
   if (contents.id.size() != 32 || contents.id.find_first_not_of("0123456789abcdef") != std::string::npos)
     refuse("attribute checkpoint_id is not 32 hex digits");
-  if (hdf5::read_string(meta.get(), "checksums", w, no) != checksum_scheme)
-    refuse("attribute checksums names a checksum scheme this library does not know");
+  const std::string scheme = hdf5::read_string(meta.get(), "checksums", w, no);
+  if (scheme == no_checksums) return;
+  if (scheme != checksum_scheme) refuse("attribute checksums names a checksum scheme this library does not know");
+  checksummed = contents.checksummed = true;
   if (!hdf5::link_exists(h5.get(), slabs_group, w) || hdf5::object_type(h5.get(), slabs_group, w) != H5O_TYPE_GROUP)
     refuse("it has no /_shardckpt/slabs group");
   if (!hdf5::link_exists(h5.get(), checksums_set, w) ||
@@ -702,7 +709,7 @@ const std::vector<Slab>& CheckpointReader::Impl::slabs_for(Entry& e) {
   const DatasetInfo& d = *e.info;
   const Box whole = whole_box(d.shape);
   std::vector<Slab> slabs;
-  if (version >= 2 && !whole.empty()) {
+  if (checksummed && !whole.empty()) {
     const Where w{path, d.key, "read the slab table"};
     const Errc no = Errc::not_a_checkpoint;
     Hid group = owned(H5Gopen2(h5.get(), slabs_group, H5P_DEFAULT), H5Gclose, w, no);
@@ -765,7 +772,7 @@ void CheckpointReader::Impl::raw_read(const DatasetInfo& d, Entry& e, const Box&
 
 const fs::path& CheckpointReader::path() const noexcept { return impl_->path; }
 int CheckpointReader::version() const noexcept { return impl_->version; }
-bool CheckpointReader::checksummed() const noexcept { return impl_->version >= 2; }
+bool CheckpointReader::checksummed() const noexcept { return impl_->checksummed; }
 io::FileIdentity CheckpointReader::identity() const { return impl_->file.identity(); }
 const CheckpointContents& CheckpointReader::contents() const noexcept { return impl_->contents; }
 
@@ -854,10 +861,11 @@ void CheckpointReader::read(const DatasetInfo& d, const Box& box, MutTensorView 
     const std::lock_guard lock(m.mutex);
     e = &m.entry(d.key);
     (void)m.info(d.key);
-    if (options.verify && m.version >= 2) slabs = &m.slabs_for(*e);
+    if (options.verify && m.checksummed) slabs = &m.slabs_for(*e);
   }
   if (!slabs) {
     m.raw_read(d, *e, box, out, width, 0, options.method);
+    if (options.progress) options.progress(box_elements(box) * es);
     return;
   }
   const Box whole = whole_box(d.shape);
@@ -891,17 +899,18 @@ void CheckpointReader::read(const DatasetInfo& d, const Box& box, MutTensorView 
           if (row_hash(rows + (r * width + s.box.cols.begin - box.cols.begin) * es,
                        static_cast<std::size_t>(unit_bytes)) != want[static_cast<std::size_t>(r)])
             mismatch({{r0 + r, r0 + r + 1}, s.box.cols});
-        continue;
+      } else {
+        scratch.resize(static_cast<std::size_t>(n * unit_bytes));
+        m.raw_read(d, *e, {{r0, r1}, s.box.cols}, scratch.data(), s.box.cols.size(), 0, options.method);
+        for (std::int64_t r = 0; r < n; ++r) {
+          const std::byte* unit = scratch.data() + r * unit_bytes;
+          if (row_hash(unit, static_cast<std::size_t>(unit_bytes)) != want[static_cast<std::size_t>(r)])
+            mismatch({{r0 + r, r0 + r + 1}, s.box.cols});
+          std::memcpy(rows + r * width * es + (sub.cols.begin - box.cols.begin) * es,
+                      unit + (sub.cols.begin - s.box.cols.begin) * es, static_cast<std::size_t>(sub.cols.size() * es));
+        }
       }
-      scratch.resize(static_cast<std::size_t>(n * unit_bytes));
-      m.raw_read(d, *e, {{r0, r1}, s.box.cols}, scratch.data(), s.box.cols.size(), 0, options.method);
-      for (std::int64_t r = 0; r < n; ++r) {
-        const std::byte* unit = scratch.data() + r * unit_bytes;
-        if (row_hash(unit, static_cast<std::size_t>(unit_bytes)) != want[static_cast<std::size_t>(r)])
-          mismatch({{r0 + r, r0 + r + 1}, s.box.cols});
-        std::memcpy(rows + r * width * es + (sub.cols.begin - box.cols.begin) * es,
-                    unit + (sub.cols.begin - s.box.cols.begin) * es, static_cast<std::size_t>(sub.cols.size() * es));
-      }
+      if (options.progress) options.progress(n * sub.cols.size() * es);
     }
   }
   require(covered == box_elements(box), Errc::not_a_checkpoint, m.path.string(), ": the slab table of ", d.key,

@@ -7,6 +7,7 @@ module;
 #include <iostream>
 #include <map>
 #include <optional>
+#include <set>
 #include <span>
 #include <string>
 #include <string_view>
@@ -125,7 +126,8 @@ LoadedState load_with(const CheckpointReader& reader, const StateDict& request, 
           reader.contents().kind == CheckpointKind::local ? "local (per-rank)" : "global", " checkpoint; use ",
           reader.contents().kind == CheckpointKind::local ? "load_local" : "load");
   Tree tree;
-  load_shards(Source{reader, kind == CheckpointKind::local, {options.method, options.verify_checksums}}, request, tree);
+  load_shards(Source{reader, kind == CheckpointKind::local, {options.method, options.verify_checksums, options.progress}},
+              request, tree);
   // The complete tree first (shards, common values, local values), then the factory merges.
   for (const auto& [key, value] : reader.contents().common) tree.emplace(key, value);
   add_local_values(request, tree);
@@ -278,6 +280,23 @@ LoadedState load_local(const fs::path& path, const StateDict& request, LoadOptio
   return load_with(reader, request, options, CheckpointKind::local);
 }
 
+StateDict request_all(const CheckpointReader& reader, const LoadLayout& layout) {
+  StateDict out;
+  std::set<std::string, std::less<>> covered;
+  const auto add = [&](const ParamRecord& record, DType dtype) {
+    out.add(ShardedParam{spec_at_tp(record, layout.tp), layout.gtp, layout.align, layout.coord, dtype,
+                         layout.replica_id, {}});
+  };
+  for (const ParamRecord& r : reader.params()) {
+    for (const Section& b : r.blocks) covered.insert(block_key(r.key, b.name));
+    add(r, reader.dataset(block_key(r.key, r.blocks.front().name)).dtype);
+  }
+  for (const DatasetInfo& d : reader.datasets())
+    if (!covered.contains(d.key) && d.shape[0] > 0)
+      add({d.key, TpAxis::replicated, plain_sections(d.shape[0]), {d.shape.begin() + 1, d.shape.end()}}, d.dtype);
+  return out;
+}
+
 void save_local(const StateDict& state, const fs::path& path, IoMethod method) {
   const ForbidMaterialization no_copies;
   const SavePlan plan = prepare_save(state);
@@ -294,7 +313,7 @@ void save_local(const StateDict& state, const fs::path& path, IoMethod method) {
   try {
     const Skeleton skeleton =
         create_skeleton(partial, specs, {CheckpointKind::local, plan.params, plan.common, io::random_id()}, units);
-    PieceWriter writer(partial, method, skeleton.checksums_address, 0);
+    PieceWriter writer(partial, method, ChecksumSlot{skeleton.checksums_address, 0});
     for (std::size_t n = 0; n < plan.items.size(); ++n)
       writer.write(skeleton.datasets[n], whole_box(plan.items[n].count), plan.items[n].data);
     writer.finish();

@@ -54,7 +54,7 @@ void write_all(const std::filesystem::path& file, IoMethod method, bool chunked 
       right.mut_view().as<float>()[static_cast<std::size_t>(r * 4 + c)] =
           out_value(static_cast<std::size_t>(r * 8 + 4 + c));
     }
-  PieceWriter w(file, method, sk.checksums_address, 0);
+  PieceWriter w(file, method, ChecksumSlot{sk.checksums_address, 0});
   w.write(sk.datasets[0], std::vector<std::int64_t>{0, 0}, std::vector<std::int64_t>{2, 4}, z.view().rows(0, 2));
   w.write(sk.datasets[0], std::vector<std::int64_t>{2, 0}, std::vector<std::int64_t>{4, 4}, z.view().rows(2, 6));
   w.write(sk.datasets[1], std::vector<std::int64_t>{0, 0, 0}, std::vector<std::int64_t>{5, 2, 2}, left.view());
