@@ -201,11 +201,6 @@ std::vector<demo::RankModel> build_models(const demo::ModelConfig& c, const demo
   return models;
 }
 
-json layout_json(const demo::Layout& l) { return {{"tp", l.tp}, {"gtp", l.gtp}, {"align", l.align}, {"ranks", l.ranks()}}; }
-std::string layout_text(const demo::Layout& l) {
-  return cat("TP ", l.tp, " x GTP ", l.gtp, ", alignment ", l.align, " (", l.ranks(), " ranks)");
-}
-
 // ---- the phases -------------------------------------------------------------------------------------
 
 // Plain sequential writes of exactly the bytes the save writes (each rank's pieces, rank by rank,
@@ -515,7 +510,7 @@ int run(const Options& o) {
     if (!o.json_out) std::fprintf(stderr, "  %s\n", s.c_str());
   };
 
-  progress(cat("building ", config.gdp_layers, " GDP + ", config.mamba_layers, " Mamba layers at ", layout_text(sl)));
+  progress(cat("building ", config.gdp_layers, " GDP + ", config.mamba_layers, " Mamba layers at ", demo::layout_text(sl)));
   std::vector<demo::RankModel> models = build_models(config, sl);
   std::int64_t shard_bytes = 0, pad_rows = 0;
   std::vector<SavePlan> plans;
@@ -671,8 +666,8 @@ int run(const Options& o) {
       {"row_parallel_bytes", row_parallel_bytes},
       {"ranks", sl.ranks()},
       {"reshard_ranks", ll.ranks()},
-      {"save_layout", layout_json(sl)},
-      {"reshard_layout", layout_json(ll)},
+      {"save_layout", demo::layout_json(sl)},
+      {"reshard_layout", demo::layout_json(ll)},
       {"model", {{"gdp_layers", config.gdp_layers}, {"mamba_layers", config.mamba_layers}, {"heads", config.dims.heads},
                  {"head_dim", config.dims.head_dim}, {"groups", config.dims.groups}, {"state", config.dims.state},
                  {"householder", config.dims.householder}, {"cols", config.cols}, {"dtype", dtype_name(config.dtype)},
@@ -742,7 +737,7 @@ int run(const Options& o) {
                 static_cast<long long>(config.dims.state), static_cast<long long>(config.dims.householder));
     std::printf("  %lld of the pieces belong to row-parallel weights (%s), stored chunked by TP band\n",
                 static_cast<long long>(row_parallel_pieces), mib(row_parallel_bytes).c_str());
-    std::printf("  save at %s; reshard load at %s; thread ranks in one process\n", layout_text(sl).c_str(), layout_text(ll).c_str());
+    std::printf("  save at %s; reshard load at %s; thread ranks in one process\n", demo::layout_text(sl).c_str(), demo::layout_text(ll).c_str());
     std::printf("  directory %s; cache: %s; peak memory: %s\n  figures: medians of %d write and %d read rounds\n\n",
                 dir.c_str(), cache.method(), meter.method(), o.repeat, o.read_repeat);
     std::printf("  %-32s %16s   %-28s %s\n", "figure", "value", "target", "met");

@@ -71,6 +71,9 @@ void require(bool ok, Errc code, const Parts&... parts) {
     throw Error(code, cat(parts...));
 }
 
+// A shape in messages: [6, 4].
+std::string dims_text(std::span<const std::int64_t> dims);
+
 // ---- checked arithmetic -------------------------------------------------------------------------
 // Every size, offset and element count computed from a file or a command line goes through these:
 // an overflow is an Error{code} naming what was being computed, never a wrapped value.

@@ -7,6 +7,8 @@
 module;
 #include <cstdint>
 #include <filesystem>
+#include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -40,6 +42,13 @@ struct RankCoord {
 };
 // Throws Errc::invalid_argument when `rank` is outside the layout.
 RankCoord coord_of(const Layout& layout, int rank);
+std::string layout_text(const Layout& layout);
+nlohmann::json layout_json(const Layout& layout);
+
+// The common value `model_config` the demo saves, and the model a checkpoint's common values
+// describe when the demo wrote it (its elements then follow the pattern).
+std::string config_json(const ModelConfig& config);
+std::optional<ModelConfig> config_of(const CheckpointContents& contents);
 
 std::uint32_t fnv1a32(std::string_view bytes) noexcept;
 // The pattern value of element `index` of the dataset `key`, as f32.
@@ -47,6 +56,8 @@ float pattern(std::string_view key, std::uint64_t index) noexcept;
 
 // Every parameter of the model at TP degree `tp`.
 std::vector<ParamSpec> params(const ModelConfig& config, std::int64_t tp);
+// The bytes of every tensor of the model, as a checkpoint holds them.
+std::int64_t model_bytes(const ModelConfig& config);
 
 // One rank's model: its padded shards (pattern in real rows, zeros in pad rows) and a state dict of
 // views into them. Moving a RankModel keeps the views valid: buffers own heap memory.
@@ -67,9 +78,13 @@ struct Verification {
   std::int64_t mismatches = 0;
   std::string first_mismatch;  // key, row and values of the first one
 };
-// Checks every loaded shard of `rank` against the pattern (real rows) and zero (pad rows), and the
-// common and local values.
+// Checks every loaded shard of `rank` against the pattern (real rows) and zero (pad rows).
+Verification verify_tensors(const ModelConfig& config, const Layout& layout, int rank, const LoadedState& loaded);
+// The same, and the common and local values of a demo load request.
 Verification verify(const ModelConfig& config, const Layout& layout, int rank, const LoadedState& loaded);
+
+// The peak resident memory of this process so far (VmHWM), in bytes.
+std::int64_t peak_rss_bytes();
 
 // The old save the library replaces, kept as the benchmark's baseline: every GTP rank all-gathers
 // its whole TP-local weight, splits it into blocks and the first GTP rank writes them. Runs all

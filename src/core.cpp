@@ -2,6 +2,8 @@ module;
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <span>
+#include <string>
 #include <string_view>
 module shardckpt.core;
 
@@ -39,6 +41,12 @@ std::string_view errc_name(Errc code) noexcept {
       return "internal";
   }
   return "unknown";
+}
+
+std::string dims_text(std::span<const std::int64_t> dims) {
+  std::string out = "[";
+  for (std::size_t i = 0; i < dims.size(); ++i) out += (i ? ", " : "") + std::to_string(dims[i]);
+  return out + "]";
 }
 
 DType parse_dtype(std::string_view name) {

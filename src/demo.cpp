@@ -3,6 +3,7 @@ module;
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
@@ -67,8 +68,14 @@ bool all_zero(TensorView rows) {
   return true;
 }
 
+// Marks the model_config of a demo checkpoint: its elements follow the pattern.
+constexpr std::string_view pattern_name = "shardckpt demo: (fnv1a32(key) + i) mod 2^24";
+
+}  // namespace
+
 std::string config_json(const ModelConfig& c) {
-  return nlohmann::json{{"gdp_layers", c.gdp_layers},
+  return nlohmann::json{{"pattern", pattern_name},
+                        {"gdp_layers", c.gdp_layers},
                         {"mamba_layers", c.mamba_layers},
                         {"heads", c.dims.heads},
                         {"head_dim", c.dims.head_dim},
@@ -81,6 +88,31 @@ std::string config_json(const ModelConfig& c) {
       .dump();
 }
 
+std::optional<ModelConfig> config_of(const CheckpointContents& contents) {
+  const auto it = contents.common.find("model_config");
+  if (it == contents.common.end() || !std::holds_alternative<std::string>(it->second)) return std::nullopt;
+  try {
+    const nlohmann::json j = nlohmann::json::parse(std::get<std::string>(it->second));
+    if (j.value("pattern", "") != pattern_name) return std::nullopt;
+    ModelConfig c;
+    c.gdp_layers = j.at("gdp_layers").get<int>();
+    c.mamba_layers = j.at("mamba_layers").get<int>();
+    c.dims = {.heads = j.at("heads").get<std::int64_t>(),
+              .head_dim = j.at("head_dim").get<std::int64_t>(),
+              .groups = j.at("groups").get<std::int64_t>(),
+              .state = j.at("state").get<std::int64_t>(),
+              .householder = j.at("householder").get<std::int64_t>()};
+    c.cols = j.at("cols").get<std::int64_t>();
+    c.conv_kernel = j.at("conv_kernel").get<std::int64_t>();
+    c.dtype = parse_dtype(j.at("dtype").get<std::string>());
+    return c;
+  } catch (const std::exception&) {  // someone else's model_config
+    return std::nullopt;
+  }
+}
+
+namespace {
+
 constexpr std::int64_t iteration = 1000;
 
 ShardedParam param_entry(const ParamSpec& spec, const ModelConfig& config, const Layout& layout, RankCoord c) {
@@ -88,6 +120,21 @@ ShardedParam param_entry(const ParamSpec& spec, const ModelConfig& config, const
 }
 
 }  // namespace
+
+std::string layout_text(const Layout& l) {
+  return cat("TP ", l.tp, " x GTP ", l.gtp, " (alignment ", l.align, ")", l.dp > 1 ? cat(" x DP ", l.dp) : "");
+}
+
+nlohmann::json layout_json(const Layout& l) {
+  return {{"tp", l.tp}, {"gtp", l.gtp}, {"align", l.align}, {"dp", l.dp}, {"ranks", l.ranks()}};
+}
+
+std::int64_t peak_rss_bytes() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);)
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
+  return 0;
+}
 
 RankCoord coord_of(const Layout& layout, int rank) {
   require(layout.tp >= 1 && layout.gtp >= 1 && layout.dp >= 1, Errc::invalid_argument,
@@ -135,6 +182,16 @@ std::vector<ParamSpec> params(const ModelConfig& c, std::int64_t tp) {
   return out;
 }
 
+std::int64_t model_bytes(const ModelConfig& config) {
+  std::int64_t n = 0;
+  for (const ParamSpec& spec : params(config, 1))
+    for (const Block& b : blocks(spec))
+      n = checked_add(n, checked_mul(element_count(b.global_shape), static_cast<std::int64_t>(dtype_size(config.dtype)),
+                                     "model bytes"),
+                      "model bytes");
+  return n;
+}
+
 RankModel build_rank(const ModelConfig& config, const Layout& layout, int rank) {
   const RankCoord c = coord_of(layout, rank);
   RankModel m;
@@ -167,7 +224,7 @@ StateDict request(const ModelConfig& config, const Layout& layout, int rank) {
   return out;
 }
 
-Verification verify(const ModelConfig& config, const Layout& layout, int rank, const LoadedState& loaded) {
+Verification verify_tensors(const ModelConfig& config, const Layout& layout, int rank, const LoadedState& loaded) {
   const RankCoord c = coord_of(layout, rank);
   Verification v;
   auto mismatch = [&](std::string text) {
@@ -194,6 +251,14 @@ Verification verify(const ModelConfig& config, const Layout& layout, int rank, c
     if (!(f32 ? all_zero<float>(pad) : all_zero<bf16>(pad))) mismatch(cat(spec.key, ": a pad row is not zero"));
     v.pad_rows += pad.rows();
   }
+  return v;
+}
+
+Verification verify(const ModelConfig& config, const Layout& layout, int rank, const LoadedState& loaded) {
+  Verification v = verify_tensors(config, layout, rank, loaded);
+  auto mismatch = [&](std::string text) {
+    if (v.mismatches++ == 0) v.first_mismatch = cat("rank ", rank, ": ", text);
+  };
   const auto check_value = [&](std::string_view key, const CommonValue& want) {
     if (!loaded.contains(key) || !(loaded.value(key) == want)) mismatch(cat("value ", key, " did not round-trip"));
   };

@@ -62,12 +62,6 @@ std::uint64_t row_hash(const void* bytes, std::size_t n) noexcept { return XXH3_
 
 std::int64_t element_size(DType t) { return static_cast<std::int64_t>(dtype_size(t)); }
 
-std::string dims_text(std::span<const std::int64_t> dims) {
-  std::string out = "[";
-  for (std::size_t i = 0; i < dims.size(); ++i) out += (i ? ", " : "") + std::to_string(dims[i]);
-  return out + "]";
-}
-
 std::string rows_text(const Box& box, const Box& whole) {
   return cat("rows [", box.rows.begin, ", ", box.rows.end, ")",
              box.cols == whole.cols ? std::string()

@@ -23,12 +23,6 @@ namespace {
 namespace fs = std::filesystem;
 using Tree = std::map<std::string, LoadedState::Entry, std::less<>>;
 
-std::string dims_text(std::span<const std::int64_t> dims) {
-  std::string out = "[";
-  for (std::size_t i = 0; i < dims.size(); ++i) out += (i ? ", " : "") + std::to_string(dims[i]);
-  return out + "]";
-}
-
 std::string where(const ShardedParam& p) {
   return cat("parameter ", p.spec.key, " (TP rank ", p.coord.tp_rank, ", GTP rank ", p.coord.gtp_rank, ")");
 }
@@ -256,8 +250,11 @@ const CommonValue& LoadedState::value(std::string_view key) const {
 
 void notice_unchecked(const CheckpointReader& reader, const LoadOptions& options) {
   if (!options.verify_checksums || reader.checksummed()) return;
-  const std::string line = cat(reader.path().string(), " was written before checksums existed (format version ",
-                               reader.version(), "): its bytes are loaded unchecked");
+  const std::string line =
+      reader.version() < 2
+          ? cat(reader.path().string(), " was written before checksums existed (format version ", reader.version(),
+                "): its bytes are loaded unchecked")
+          : cat(reader.path().string(), " was saved without checksums: its bytes are loaded unchecked");
   if (options.notice)
     options.notice(line);
   else

@@ -1,17 +1,28 @@
 #!/usr/bin/env bash
-# End-to-end tests of the command-line tool: plan (exact JSON), bad arguments, demo, load --verify,
-# reshard (h5diff agrees), inspect, and h5py reading the file. Usage: cli_test.sh path/to/shardckpt
+# End-to-end tests of the command-line tool: plan (exact JSON), bad arguments and their exit codes,
+# demo, load of any checkpoint, verify, reshard, inspect, h5py reading the file, MPI jobs, and saves
+# that cannot write (injected EIO, full disks, file-size limits, short writes) on both write paths.
+# Usage: cli_test.sh path/to/shardckpt path/to/libfaulty_io.so
 set -uo pipefail
 exe=$1
+faulty=$2
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 passed=0 failed=0
 ok() { passed=$((passed + 1)); }
 fail() { failed=$((failed + 1)); echo "FAIL: $*"; }
 check() { local what=$1; shift; if "$@"; then ok; else fail "$what"; fi; }
+# expect_rc CODE WHAT COMMAND...: the command exits with CODE.
+expect_rc() {
+  local want=$1 what=$2; shift 2
+  "$@" > "$dir/out" 2> "$dir/err"
+  local rc=$?
+  if [ "$rc" -eq "$want" ]; then ok; else fail "$what: exit $rc, not $want: $(head -c 600 "$dir/err")"; fi
+}
 py=/usr/bin/python3
+small=(--layers 1 --mamba-layers 1 --cols 64)
 
-# plan: the spec's reference case, checked field by field.
+# ---- plan: the spec's reference case, checked field by field ------------------------------------------
 "$exe" plan --model gdp-in-proj --heads 4 --head-dim 5 --groups 2 --state 3 --householder 3 --cols 4 --tp 2 --gtp 2 \
   --align 16 --json > "$dir/plan.json" || fail "plan exits 0"
 check "plan json" $py - "$dir/plan.json" <<'PY'
@@ -36,40 +47,98 @@ assert sum(x['padding_only'] for x in r) == 1"
 "$exe" plan --model mamba-in-proj --heads 4 --head-dim 4 --groups 2 --state 8 --cols 8 --tp 2 --gtp 3 --align 4 \
   | grep -q "padding-only ranks" || fail "plan table"
 
-# bad arguments: non-zero exit and one line naming the reason
+# ---- bad arguments: exit 2 and one line naming the reason; nothing overflows or hangs -----------------
 for args in "--model gdp-in-proj --heads 3 --head-dim 4 --groups 2 --state 4 --cols 4 --tp 2 --gtp 2 --align 0" \
             "--model plain --rows 10 --cols 4 --tp 1 --gtp 4 --align 0" \
-            "--model nonsense --heads 4 --head-dim 4 --groups 2 --state 4 --cols 4 --tp 1 --gtp 1 --align 0"; do
-  if "$exe" plan $args > /dev/null 2> "$dir/err"; then fail "plan $args should fail"; else ok; fi
-  check "one-line reason for $args" test "$(wc -l < "$dir/err")" -eq 1
+            "--model nonsense --cols 4" \
+            "--model plain --rows 4 --tp 1 --gtp 1 --align 0" \
+            "--model plain --rows 10 --cols 4 --gtp 2 --align 4611686018427387904" \
+            "--model plain --rows 10 --cols 4 --tp 65536 --gtp 65536" \
+            "--model plain --rows 9223372036854775807 --cols 4" \
+            "--model plain --rows 9223372036854775808 --cols 4" \
+            "--model plain --rows 1000 --cols 9223372036854775807 --tp 4 --gtp 4 --align 1073741824"; do
+  expect_rc 2 "plan $args" "$exe" plan $args
+  check "one-line reason for plan $args" test "$(wc -l < "$dir/err")" -eq 1
 done
-if "$exe" plan --model plain --rows 4 --tp 1 --gtp 1 --align 0 2> "$dir/err"; then fail "missing --cols"; else
-  check "usage error exits 2" test $? -eq 2; check "usage error is one line" test "$(wc -l < "$dir/err")" -eq 1; fi
 grep -q "does not divide by TP 2" <("$exe" plan --model gdp-in-proj --heads 3 --head-dim 4 --groups 2 --state 4 --cols 4 --tp 2 --gtp 2 --align 0 2>&1) || fail "reason names heads/TP"
+expect_rc 2 "demo --householder 100000000" timeout 20 "$exe" demo --out "$dir/x.h5" --householder 100000000
+expect_rc 2 "demo --tp 65536" timeout 20 "$exe" demo --out "$dir/x.h5" --tp 65536 --gtp 65536
+expect_rc 2 "demo --align INT64_MAX" timeout 20 "$exe" demo --out "$dir/x.h5" --align 9223372036854775807
+expect_rc 2 "unknown command" "$exe" frobnicate
+check "unknown command is named" grep -q "unknown command 'frobnicate'" "$dir/err"
+expect_rc 0 "--version" "$exe" --version
+check "version names the format" grep -q "checkpoint format 2" "$dir/out"
+expect_rc 0 "plan --help" "$exe" plan --help
+check "help shows defaults" grep -q -- "--align INT.*=0" "$dir/out"
+check "help shows descriptions" grep -q "GTP alignment in rows" "$dir/out"
+for cmd in demo load verify reshard inspect; do
+  expect_rc 0 "$cmd --help" "$exe" "$cmd" --help
+  check "$cmd --help documents --json" grep -q -- "--json" "$dir/out"
+done
 
-# demo: saves, reloads at another layout, verifies
+# ---- demo: saves, reloads at another layout, verifies ----------------------------------------------------
 check "demo" "$exe" demo --out "$dir/demo.h5" --json > "$dir/demo.json"
 check "demo report" $py -c "
 import json; d = json.load(open('$dir/demo.json'))
 assert d['mismatches'] == 0 and d['values_verified'] > 0 and d['pad_rows_skipped'] > 0 and d['materializations'] == 0, d
-assert d['save_layout'] != d['load_layout']"
+assert d['save_layout'] != d['load_layout'] and d['checksums'] and d['verified']"
 check "demo f32 hyperslab dp" "$exe" demo --out "$dir/f32.h5" --dtype f32 --tp 1 --gtp 3 --align 8 --ranks 6 --method hyperslab > /dev/null
+check "demo without checksums" "$exe" demo --out "$dir/nosum.h5" --no-checksums "${small[@]}" > /dev/null
 
-# load --verify at other layouts; a tampered file fails verification
+# ---- load: any checkpoint, planned from its own records ---------------------------------------------------
 check "load verify" "$exe" load "$dir/demo.h5" --tp 1 --gtp 5 --align 4 --verify > /dev/null
-check "load verify tp4" "$exe" load "$dir/demo.h5" --tp 4 --gtp 1 --align 0 --verify --json > /dev/null
+check "load verify tp4 json" "$exe" load "$dir/demo.h5" --tp 4 --gtp 1 --align 0 --verify --json > "$dir/load.json"
+check "load json says what was checked" $py -c "
+import json; d = json.load(open('$dir/load.json'))
+assert d['verified'] and d['checksums_checked'] and d['pattern_checked'] and d['values_verified'] > 511232, d"
+# A value changed behind the library's back: the checksum catches it (exit 1, key and rows named);
+# without checksums the pattern still does; `verified` is the outcome.
 cp "$dir/demo.h5" "$dir/tampered.h5"
 $py -c "
-import h5py, numpy; f = h5py.File('$dir/tampered.h5', 'r+'); d = f['decoder.layers.0.mixer.in_proj.weight.z']; d[3, 3] = -1.0" \
+import h5py; f = h5py.File('$dir/tampered.h5', 'r+'); f['decoder.layers.0.mixer.in_proj.weight.z'][3, 3] = -1.0" \
   || fail "tamper"
-if "$exe" load "$dir/tampered.h5" --tp 2 --gtp 2 --align 16 --verify > /dev/null 2>&1; then fail "tampered file verifies"; else ok; fi
+expect_rc 1 "load of a tampered file" "$exe" load "$dir/tampered.h5"
+check "the mismatch names key and rows" grep -q "key decoder.layers.0.mixer.in_proj.weight.z.*rows \[3, 4)" "$dir/err"
+expect_rc 1 "load --verify --no-checksums of a tampered file" "$exe" load "$dir/tampered.h5" --verify --no-checksums --json
+check "verified is false on a mismatch" $py -c "
+import json; d = json.load(open('$dir/out')); assert d['verified'] is False and d['mismatches'] > 0, d"
+check "a demo file without checksums verifies by its pattern" "$exe" load "$dir/nosum.h5" --verify > /dev/null
+# A file of another tool, adopted as format version 1 (docs/format.md): no checksums, no pattern.
+$py - "$dir/v1.h5" <<'PY' || fail "write a version 1 file"
+import h5py, numpy as np, sys
+with h5py.File(sys.argv[1], "w") as f:
+    f["w"] = np.arange(40, dtype=np.float32).reshape(10, 4)
+    m = f.create_group("_shardckpt")
+    m.create_group("common")
+    m.attrs["format"] = np.bytes_("shardckpt")
+    m.attrs["format_version"] = np.int64(1)
+    m.attrs["kind"] = np.bytes_("global")
+    m.attrs["params"] = np.bytes_("[]")
+    m.attrs["complete"] = np.int64(1)
+PY
+expect_rc 0 "load a version 1 file" "$exe" load "$dir/v1.h5" --tp 1 --gtp 2 --align 4
+check "one-line notice for a file without checksums" test "$(grep -c "notice: .*written before checksums existed" "$dir/err")" -eq 1
+expect_rc 1 "load --verify of a file with nothing to verify against" "$exe" load "$dir/v1.h5" --verify
+check "nothing to verify against" grep -q "nothing to verify against" "$dir/err"
 
-# reshard: every tensor dataset of OUT equals IN's
-check "reshard" "$exe" reshard "$dir/demo.h5" "$dir/re.h5" --tp 1 --gtp 3 --align 8
+# ---- verify: every byte of any checkpoint -------------------------------------------------------------------
+expect_rc 0 "verify" "$exe" verify "$dir/demo.h5"
+expect_rc 1 "verify a tampered file" "$exe" verify "$dir/tampered.h5" --json
+check "verify names the row" $py -c "
+import json; d = json.load(open('$dir/out'))
+assert d['mismatches'] == 1 and not d['verified'] and 'rows [3, 4)' in d['problems'][0], d"
+expect_rc 1 "verify a file without checksums" "$exe" verify "$dir/nosum.h5"
+expect_rc 1 "verify a version 1 file" "$exe" verify "$dir/v1.h5"
+
+# ---- reshard: every tensor of OUT equals IN's; damaged input is refused --------------------------------------
+check "reshard" "$exe" reshard "$dir/demo.h5" "$dir/re.h5" --tp 1 --gtp 3 --align 8 --json > "$dir/re.json"
+check "reshard json" $py -c "import json; d = json.load(open('$dir/re.json')); assert d['tensors'] == 42 and d['checksums_checked'], d"
 check "h5diff after reshard" h5diff --exclude-path /_shardckpt "$dir/demo.h5" "$dir/re.h5"
 check "load resharded" "$exe" load "$dir/re.h5" --tp 2 --gtp 4 --align 2 --verify > /dev/null
+expect_rc 1 "reshard a tampered file" "$exe" reshard "$dir/tampered.h5" "$dir/bad.h5"
+check "no output from a refused reshard" test ! -e "$dir/bad.h5" -a ! -e "$dir/bad.h5.partial"
 
-# inspect
+# ---- inspect ---------------------------------------------------------------------------------------------------
 check "inspect json" $py -c "
 import json, subprocess
 d = json.loads(subprocess.check_output(['$exe', 'inspect', '$dir/demo.h5', '--json']))
@@ -77,10 +146,11 @@ keys = {t['key'] for t in d['tensors']}
 assert 'decoder.layers.0.mixer.in_proj.weight.z' in keys and 'decoder.layers.2.mixer.in_proj.weight.dt' in keys, keys
 p = {x['key']: x for x in d['params']}
 assert [b['name'] for b in p['decoder.layers.0.mixer.in_proj.weight']['blocks']][:3] == ['z', 'V0', 'V1']
-assert d['common']['iteration'] == 1000 and d['bytes'] == sum(t['bytes'] for t in d['tensors'])"
+assert d['common']['iteration'] == 1000 and d['bytes'] == sum(t['bytes'] for t in d['tensors'])
+assert d['format_version'] == 2 and d['checksummed'] and len(d['checkpoint_id']) == 32"
 "$exe" inspect "$dir/demo.h5" | grep -q "fused layouts" || fail "inspect table"
 
-# h5py sees plain tensors with the pattern values: element i of key k is (fnv1a32(k) + i) mod 2^24
+# ---- h5py sees plain tensors with the pattern values: element i of key k is (fnv1a32(k) + i) mod 2^24 --------
 check "h5py pattern" $py - "$dir/demo.h5" <<'PY'
 import h5py, numpy as np, sys
 def fnv(s):
@@ -103,7 +173,60 @@ for k, d in f.items():
 assert n > 30
 PY
 
-# --mpi: four processes of one MPI job save one checkpoint and load it at another layout
+# ---- a save to a symbolic link replaces the link's target ---------------------------------------------------------
+mkdir -p "$dir/real"
+ln -s real/target.h5 "$dir/link.h5"
+check "save through a link" "$exe" demo --out "$dir/link.h5" "${small[@]}" > /dev/null
+check "the link stays a link" test -L "$dir/link.h5"
+check "its target is the checkpoint" "$exe" verify "$dir/real/target.h5" > /dev/null
+
+# ---- saves that cannot write fail, keep the earlier checkpoint, leave no partial file ----------------------------
+# save_fails WHAT PATH COMMAND...: the command fails (exit 2) and PATH is byte for byte as before.
+save_fails() {
+  local what=$1 path=$2; shift 2
+  local before
+  before=$(md5sum < "$path")
+  expect_rc 2 "$what" "$@"
+  check "$what: the error is an I/O error" grep -q "could not" "$dir/err"
+  check "$what: earlier checkpoint unchanged" test "$(md5sum < "$path")" = "$before"
+  check "$what: no partial file" test ! -e "$path.partial"
+}
+cp "$dir/demo.h5" "$dir/keep.h5"
+for method in direct hyperslab; do
+  for after in 0 200000 600000; do  # while creating the file, writing pieces, writing checksums
+    save_fails "EIO after $after bytes ($method)" "$dir/keep.h5" env LD_PRELOAD="$faulty" FAULTY_IO_PATH=keep.h5.partial \
+      FAULTY_IO_ERRNO=EIO FAULTY_IO_AFTER=$after "$exe" demo --out "$dir/keep.h5" --method $method
+  done
+  save_fails "ENOSPC ($method)" "$dir/keep.h5" env LD_PRELOAD="$faulty" FAULTY_IO_PATH=keep.h5.partial \
+    FAULTY_IO_ERRNO=ENOSPC FAULTY_IO_AFTER=300000 "$exe" demo --out "$dir/keep.h5" --method $method
+  save_fails "fsync EIO ($method)" "$dir/keep.h5" env LD_PRELOAD="$faulty" FAULTY_IO_PATH=keep.h5.partial \
+    FAULTY_IO_FSYNC=EIO "$exe" demo --out "$dir/keep.h5" --method $method
+  save_fails "ulimit -f ($method)" "$dir/keep.h5" bash -c "ulimit -f 600; exec \"\$0\" \"\$@\"" "$exe" demo \
+    --out "$dir/keep.h5" --method $method
+  # Short writes are no error: every byte still arrives, and the file verifies.
+  check "short writes ($method)" env LD_PRELOAD="$faulty" FAULTY_IO_PATH=short.h5 FAULTY_IO_SHORT=1 \
+    "$exe" demo --out "$dir/short.h5" --method $method > /dev/null
+  check "short writes verify ($method)" "$exe" verify "$dir/short.h5" > /dev/null
+done
+if [ "$(id -u)" -eq 0 ] && mkdir -p "$dir/fs" && mount -t tmpfs -o size=512k tmpfs "$dir/fs" 2> /dev/null; then
+  check "small save on a small tmpfs" "$exe" demo --out "$dir/fs/c.h5" --layers 1 --mamba-layers 0 --cols 16 > /dev/null
+  for method in direct hyperslab; do
+    save_fails "full tmpfs ($method)" "$dir/fs/c.h5" "$exe" demo --out "$dir/fs/c.h5" --method $method
+  done
+  fs_mounted=1
+fi
+
+# ---- the progress line: on a terminal only, silenced by --quiet -------------------------------------------------
+if command -v script > /dev/null; then
+  SHARDCKPT_PROGRESS_AFTER_MS=0 script -qec "$exe demo --out $dir/p.h5" /dev/null > "$dir/tty" 2>&1
+  check "progress line on a terminal" grep -q "saving .* GB/s .* s left" "$dir/tty"
+  SHARDCKPT_PROGRESS_AFTER_MS=0 script -qec "$exe --quiet demo --out $dir/p.h5" /dev/null > "$dir/tty" 2>&1
+  check "no progress line with --quiet" bash -c "! grep -q 'GB/s .* s left' '$dir/tty'"
+  SHARDCKPT_PROGRESS_AFTER_MS=0 "$exe" demo --out "$dir/p.h5" > /dev/null 2> "$dir/err"
+  check "no progress line off a terminal" test ! -s "$dir/err"
+fi
+
+# ---- --mpi: four processes of one MPI job ------------------------------------------------------------------------------
 if command -v mpirun > /dev/null; then
   # OpenMPI keeps allocations until exit: not ours to report under LeakSanitizer.
   mpi=(env ASAN_OPTIONS=detect_leaks=0 mpirun -np 4 --oversubscribe)
@@ -114,12 +237,26 @@ import json; d = json.load(open('$dir/mpi.json'))
 assert d['mismatches'] == 0 and d['pad_rows_skipped'] > 0 and d['values_verified'] == 511232, d"
   check "mpi load" "${mpi[@]}" "$exe" load --mpi "$dir/mpi.h5" --tp 1 --gtp 4 --align 2 --verify > /dev/null
   check "mpi and threads write the same tensors" h5diff --exclude-path /_shardckpt "$dir/mpi.h5" "$dir/demo.h5"
+  cp "$dir/mpi.h5" "$dir/mkeep.h5"
+  for method in direct hyperslab; do
+    save_fails "mpi EIO ($method)" "$dir/mkeep.h5" "${mpi[@]}" -x LD_PRELOAD="$faulty" -x FAULTY_IO_PATH=mkeep.h5.partial \
+      -x FAULTY_IO_ERRNO=EIO -x FAULTY_IO_AFTER=40000 "$exe" demo --mpi --out "$dir/mkeep.h5" --method $method
+    # 8 MB: room for Open MPI's shared memory, not for a 15.5 MiB checkpoint.
+    save_fails "mpi ulimit -f ($method)" "$dir/mkeep.h5" "${mpi[@]}" bash -c "ulimit -f 8000; exec \"\$0\" \"\$@\"" \
+      "$exe" demo --mpi --out "$dir/mkeep.h5" --method $method --cols 4096
+  done
+  if [ -n "${fs_mounted:-}" ]; then
+    "${mpi[@]}" "$exe" demo --mpi --out "$dir/fs/m.h5" --layers 1 --mamba-layers 0 --cols 16 > /dev/null || fail "mpi small save"
+    save_fails "mpi full tmpfs" "$dir/fs/m.h5" "${mpi[@]}" "$exe" demo --mpi --out "$dir/fs/m.h5"
+  fi
 fi
+[ -n "${fs_mounted:-}" ] && umount "$dir/fs"
 
-# errors: not a checkpoint, missing file
+# ---- errors: not a checkpoint, missing file -----------------------------------------------------------------------
 echo "hello" > "$dir/text.h5"
-if "$exe" inspect "$dir/text.h5" 2> "$dir/err"; then fail "inspect text"; else grep -q "not a shardckpt checkpoint" "$dir/err" && ok || fail "reason"; fi
-if "$exe" load "$dir/missing.h5" --verify 2> /dev/null; then fail "load missing"; else ok; fi
+expect_rc 2 "inspect a text file" "$exe" inspect "$dir/text.h5"
+check "says not a checkpoint" grep -q "not a shardckpt checkpoint" "$dir/err"
+expect_rc 2 "load a missing file" "$exe" load "$dir/missing.h5" --verify
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

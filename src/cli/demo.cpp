@@ -1,0 +1,181 @@
+// shardckpt demo: build the demo model on every rank, save it, reload it at another layout and check
+// every value, pad row and common value against what was saved.
+module;
+#include <CLI/CLI.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+module shardckpt.cli;
+
+namespace shardckpt::cli {
+namespace {
+
+using json = nlohmann::json;
+
+struct DemoFlags {
+  std::string out;
+  ModelFlags model;
+  LayoutFlags save;
+  demo::Layout load{1, 0, 8, 1};
+  bool load_align_given = false;
+  std::string method = "direct";
+  bool no_checksums = false;
+};
+
+// The reload layout: by default as many ranks as the save, and never the very layout that saved.
+demo::Layout reload_layout(const DemoFlags& f, const demo::Layout& saved) {
+  demo::Layout l = f.load;
+  if (l.gtp == 0) l.gtp = std::max(1, saved.tp * saved.gtp / l.tp);
+  if (!f.load_align_given && l.tp == saved.tp && l.gtp == saved.gtp && l.align == saved.align)
+    l.align = saved.align == 8 ? 4 : 8;
+  l.dp = saved.dp;
+  return l;
+}
+
+struct Saved {
+  double seconds = 0;
+  std::int64_t shard_bytes = 0, pad_rows = 0;
+};
+
+Saved save_model(const DemoFlags& f, const demo::ModelConfig& config, const demo::Layout& layout, const Global& g) {
+  Saved out;
+  std::mutex m;
+  ProgressLine progress("saving ", demo::model_bytes(config) / (f.save.mpi ? layout.ranks() : 1), g,
+                        is_root(f.save.mpi));
+  run_job(f.save.mpi, layout.ranks(), [&](ProcessGroup& group) {
+    demo::RankModel rank = demo::build_rank(config, layout, group.rank());
+    {
+      const std::lock_guard lock(m);
+      out.shard_bytes += rank.shard_bytes;
+      out.pad_rows += rank.pad_rows;
+    }
+    group.barrier();
+    const auto t0 = std::chrono::steady_clock::now();
+    save(rank.state, f.out, group,
+         {.method = method_of(f.method), .checksums = !f.no_checksums, .progress = progress.callback()});
+    if (group.rank() == 0) out.seconds = seconds_since(t0);
+  });
+  std::int64_t totals[2] = {out.shard_bytes, out.pad_rows};
+  sum_over_job(f.save.mpi, totals);
+  out.shard_bytes = totals[0];
+  out.pad_rows = totals[1];
+  return out;
+}
+
+struct Checked {
+  double seconds = 0;
+  std::int64_t values = 0, pad_rows = 0, mismatches = 0;
+  std::string first_mismatch;
+};
+
+Checked load_and_check(const DemoFlags& f, const demo::ModelConfig& config, const demo::Layout& layout,
+                       const Global& g) {
+  Checked out;
+  std::mutex m;
+  ProgressLine progress("loading", demo::model_bytes(config) * layout.dp / (f.save.mpi ? layout.ranks() : 1), g,
+                        is_root(f.save.mpi));
+  const auto t0 = std::chrono::steady_clock::now();
+  run_job(f.save.mpi, layout.ranks(), [&](ProcessGroup& group) {
+    const LoadedState loaded = load(f.out, demo::request(config, layout, group.rank()), group,
+                                    {.method = method_of(f.method), .progress = progress.callback()});
+    group.barrier();
+    const std::lock_guard lock(m);
+    if (group.rank() == 0) out.seconds = seconds_since(t0);
+    const demo::Verification v = demo::verify(config, layout, group.rank(), loaded);
+    out.values += v.values;
+    out.pad_rows += v.pad_rows;
+    if (v.mismatches && !out.mismatches) out.first_mismatch = v.first_mismatch;
+    out.mismatches += v.mismatches;
+  });
+  std::int64_t totals[3] = {out.values, out.pad_rows, out.mismatches};
+  sum_over_job(f.save.mpi, totals);
+  out.values = totals[0];
+  out.pad_rows = totals[1];
+  out.mismatches = totals[2];
+  return out;
+}
+
+void report(const DemoFlags& f, const demo::ModelConfig& config, const demo::Layout& saved_at,
+            const demo::Layout& loaded_at, const Saved& s, const Checked& c, const Global& g) {
+  const CheckpointReader reader(f.out);
+  const std::int64_t bytes = demo::model_bytes(config);
+  const double save_gbps = static_cast<double>(bytes) / s.seconds / 1e9;
+  const double load_gbps = static_cast<double>(bytes) * loaded_at.dp / c.seconds / 1e9;
+  if (g.json) {
+    print_json(json{{"file", f.out},
+                    {"tensors", reader.datasets().size()},
+                    {"params", reader.contents().params.size()},
+                    {"bytes", bytes},
+                    {"checksums", reader.checksummed()},
+                    {"save_layout", demo::layout_json(saved_at)},
+                    {"load_layout", demo::layout_json(loaded_at)},
+                    {"save_seconds", s.seconds},
+                    {"save_gbps", save_gbps},
+                    {"load_seconds", c.seconds},
+                    {"load_gbps", load_gbps},
+                    {"peak_rss_bytes", demo::peak_rss_bytes()},
+                    {"pad_rows_skipped", s.pad_rows},
+                    {"values_verified", c.values},
+                    {"pad_rows_verified", c.pad_rows},
+                    {"mismatches", c.mismatches},
+                    {"verified", c.mismatches == 0},
+                    {"materializations", materialization_count()}}
+                   .dump());
+    return;
+  }
+  std::printf("shardckpt demo: %d GDP + %d Mamba layers, %s\n", config.gdp_layers, config.mamba_layers,
+              std::string(dtype_name(config.dtype)).c_str());
+  std::printf("  saved   %zu tensors (%zu fused/plain parameters), %s at %s in %.3f s (%.2f GB/s) -> %s\n",
+              reader.datasets().size(), reader.contents().params.size(), mib_text(bytes).c_str(),
+              demo::layout_text(saved_at).c_str(), s.seconds, save_gbps, f.out.c_str());
+  std::printf("  pad rows skipped: %lld (never written); every row %s\n", static_cast<long long>(s.pad_rows),
+              reader.checksummed() ? "checksummed (XXH3-64)" : "without checksums (--no-checksums)");
+  std::printf("  loaded  at %s in %.3f s (%.2f GB/s)%s\n", demo::layout_text(loaded_at).c_str(), c.seconds, load_gbps,
+              reader.checksummed() ? ", every byte read checked against its checksum" : "");
+  std::printf("  verified %lld values and %lld pad rows: %s\n", static_cast<long long>(c.values),
+              static_cast<long long>(c.pad_rows), c.mismatches ? "MISMATCH" : "all equal");
+  std::printf("  peak memory %s (model shards %s); full-tensor materializations: %llu\n",
+              mib_text(demo::peak_rss_bytes()).c_str(), mib_text(s.shard_bytes).c_str(),
+              static_cast<unsigned long long>(materialization_count()));
+}
+
+}  // namespace
+
+Runner add_demo(CLI::App& app, Global& global) {
+  auto f = std::make_shared<DemoFlags>();
+  auto* cmd = app.add_subcommand("demo", "build the demo model, save it, reload it at another layout and verify");
+  cmd->add_option("--out", f->out, "checkpoint file to write")->required();
+  f->model.add(*cmd);
+  f->save.add(*cmd, true);
+  const auto parallel = CLI::Range(1, static_cast<int>(max_parallel));
+  cmd->add_option("--load-tp", f->load.tp, "TP of the reload")->check(parallel)->capture_default_str();
+  cmd->add_option("--load-gtp", f->load.gtp, "GTP of the reload (default: the save's ranks / load TP)")->check(parallel);
+  cmd->add_option("--load-align", f->load.align, "alignment of the reload (default 8, or 4 if that equals the save)")
+      ->check(CLI::Range(std::int64_t{0}, max_align));
+  cmd->add_flag("--no-checksums", f->no_checksums, "save without checksums (loads then cannot check what they read)");
+  add_method(*cmd, f->method);
+  add_json(*cmd, global);
+  return [f, cmd, &global] {
+    f->load_align_given = cmd->count("--load-align") > 0;
+    const demo::ModelConfig config = f->model.get();
+    const demo::Layout saved_at = f->save.resolve();
+    const demo::Layout loaded_at = reload_layout(*f, saved_at);
+    const Saved s = save_model(*f, config, saved_at, global);
+    const Checked c = load_and_check(*f, config, loaded_at, global);
+    if (is_root(f->save.mpi)) report(*f, config, saved_at, loaded_at, s, c, global);
+    if (c.mismatches && is_root(f->save.mpi))
+      std::cerr << "shardckpt: " << c.mismatches << " mismatches; first: " << c.first_mismatch << "\n";
+    return c.mismatches ? mismatch : success;
+  };
+}
+
+}  // namespace shardckpt::cli

@@ -1,0 +1,175 @@
+// What the commands of the tool share: flag groups, jobs, the progress line (see modules/cli.cppm).
+module;
+#include <CLI/CLI.hpp>
+#include <unistd.h>
+#ifdef SHARDCKPT_HAVE_MPI
+#include <mpi.h>
+#endif
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <mutex>
+#include <span>
+#include <string>
+#include <string_view>
+module shardckpt.cli;
+#ifdef SHARDCKPT_HAVE_MPI
+import shardckpt.dist.mpi;
+#endif
+
+namespace shardckpt::cli {
+
+void add_json(CLI::App& cmd, Global& global) {
+  cmd.add_flag("--json", global.json, "print one JSON object on standard output instead of the report");
+}
+
+void add_method(CLI::App& cmd, std::string& method) {
+  cmd.add_option("--method", method,
+                 "direct: pwrite/pread at the datasets' file addresses, all ranks at once; hyperslab: HDF5 "
+                 "hyperslab I/O (saving ranks take turns)")
+      ->check(CLI::IsMember({"direct", "hyperslab"}))
+      ->capture_default_str();
+}
+
+IoMethod method_of(const std::string& name) { return name == "hyperslab" ? IoMethod::hyperslab : IoMethod::direct; }
+
+void ModelFlags::add(CLI::App& cmd) {
+  const auto size = CLI::Range(std::int64_t{1}, max_size);
+  cmd.add_option("--layers", config.gdp_layers, "GatedDeltaProduct layers")
+      ->check(CLI::Range(0, max_layers))
+      ->capture_default_str();
+  cmd.add_option("--mamba-layers", config.mamba_layers, "Mamba layers after them")
+      ->check(CLI::Range(0, max_layers))
+      ->capture_default_str();
+  cmd.add_option("--heads", config.dims.heads, "SSM heads (global)")->check(size)->capture_default_str();
+  cmd.add_option("--head-dim", config.dims.head_dim, "SSM head dimension")->check(size)->capture_default_str();
+  cmd.add_option("--groups", config.dims.groups, "B/C groups (global)")->check(size)->capture_default_str();
+  cmd.add_option("--state", config.dims.state, "SSM state size")->check(size)->capture_default_str();
+  cmd.add_option("--householder", config.dims.householder, "GDP Householder steps")
+      ->check(CLI::Range(std::int64_t{1}, max_householder))
+      ->capture_default_str();
+  cmd.add_option("--cols", config.cols, "hidden size: the trailing dim of in_proj, the rows of out_proj")
+      ->check(size)
+      ->capture_default_str();
+  cmd.add_option("--dtype", dtype, "element type of the weights")
+      ->check(CLI::IsMember({"bf16", "f32"}))
+      ->capture_default_str();
+}
+
+demo::ModelConfig ModelFlags::get() const {
+  demo::ModelConfig c = config;
+  c.dtype = parse_dtype(dtype);
+  return c;
+}
+
+void LayoutFlags::add(CLI::App& cmd, bool replicas) {
+  const auto parallel = CLI::Range(1, static_cast<int>(max_parallel));
+  cmd.add_option("--tp", layout.tp, "tensor-parallel degree")->check(parallel)->capture_default_str();
+  cmd.add_option("--gtp", layout.gtp, "GTP group size")->check(parallel)->capture_default_str();
+  cmd.add_option("--align", layout.align, "GTP alignment in rows (0: no padding)")
+      ->check(CLI::Range(std::int64_t{0}, max_align))
+      ->capture_default_str();
+  if (!replicas) return;
+  cmd.add_option("--dp", layout.dp, "data-parallel replicas")->check(parallel)->capture_default_str();
+  cmd.add_option("--ranks", ranks, "in-process ranks, a multiple k of TP x GTP (sets DP = k; default DP x TP x GTP)")
+      ->check(CLI::Range(1, static_cast<int>(max_thread_ranks)));
+  cmd.add_flag("--mpi", mpi, "this process is one rank of an MPI job whose size is DP x TP x GTP");
+}
+
+demo::Layout LayoutFlags::resolve() const {
+  demo::Layout l = layout;
+  const std::int64_t group = std::int64_t{l.tp} * l.gtp;
+  if (ranks > 0) {
+    require(ranks % group == 0, Errc::invalid_argument, "--ranks ", ranks, " is not a multiple of TP x GTP = ", group);
+    l.dp = static_cast<int>(ranks / group);
+  }
+  const std::int64_t total = group * l.dp;
+  require(total <= (mpi ? max_parallel * 16 : max_thread_ranks), Errc::invalid_argument, "DP x TP x GTP = ", total,
+          " ranks is more than ", mpi ? max_parallel * 16 : max_thread_ranks,
+          mpi ? "" : " threads of one process (use --mpi for more)");
+  return l;
+}
+
+void run_job(bool mpi, int ranks, const std::function<void(ProcessGroup&)>& fn) {
+  if (!mpi) return run_ranks(ranks, fn);
+#ifdef SHARDCKPT_HAVE_MPI
+  MpiGroup group(MPI_COMM_WORLD);
+  require(group.size() == ranks, Errc::invalid_argument, "the MPI job has ", group.size(),
+          " processes but the layout needs ", ranks);
+  fn(group);
+#else
+  throw Error(Errc::invalid_argument, "--mpi: this build has no MPI support");
+#endif
+}
+
+bool is_root(bool mpi) {
+#ifdef SHARDCKPT_HAVE_MPI
+  if (mpi) {
+    int rank = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    return rank == 0;
+  }
+#endif
+  (void)mpi;
+  return true;
+}
+
+void sum_over_job(bool mpi, std::span<std::int64_t> values) {
+#ifdef SHARDCKPT_HAVE_MPI
+  if (mpi)
+    MPI_Allreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+#endif
+  (void)mpi;
+  (void)values;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+std::string mib_text(std::int64_t bytes) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1f MiB", static_cast<double>(bytes) / 1048576.0);
+  return text;
+}
+
+void print_json(std::string_view text) { std::cout << text << "\n"; }
+
+ProgressLine::ProgressLine(std::string_view what, std::int64_t total, const Global& global, bool root)
+    : what_(what), total_(total), start_(std::chrono::steady_clock::now()), last_(start_) {
+  enabled_ = root && !global.quiet && !global.json && ::isatty(STDERR_FILENO);
+  // The tests see the line without waiting a second.
+  if (const char* after = std::getenv("SHARDCKPT_PROGRESS_AFTER_MS")) after_ = std::chrono::milliseconds(std::atoi(after));
+}
+
+void ProgressLine::add(std::int64_t bytes) {
+  if (!enabled_) return;
+  const std::lock_guard lock(mutex_);
+  done_ += bytes;
+  const auto now = std::chrono::steady_clock::now();
+  if (now - start_ < after_ || (shown_ && now - last_ < std::chrono::milliseconds(100))) return;
+  last_ = now;
+  shown_ = true;
+  const double seconds = std::max(1e-9, std::chrono::duration<double>(now - start_).count());
+  const double rate = static_cast<double>(done_) / seconds;
+  const double left = rate > 0 ? static_cast<double>(std::max<std::int64_t>(0, total_ - done_)) / rate : 0;
+  std::fprintf(stderr, "\r  %s %s of %s  %.2f GB/s  %.1f s left   ", what_.c_str(), mib_text(done_).c_str(),
+               mib_text(total_).c_str(), rate / 1e9, left);
+  std::fflush(stderr);
+}
+
+ProgressLine::~ProgressLine() {
+  if (shown_) std::fprintf(stderr, "\r%*s\r", 78, "");
+}
+
+int report_error(const std::exception& e) {
+  std::cerr << "shardckpt: error: " << e.what() << "\n";
+  const auto* error = dynamic_cast<const Error*>(&e);
+  return error && error->code() == Errc::corrupt ? mismatch : failure;
+}
+
+}  // namespace shardckpt::cli
