@@ -28,5 +28,5 @@ configure() {  # dir, extra meson options...
 }
 configure build
 if [ "${1:-}" = "--asan" ]; then
-  configure build-asan -Db_sanitize=address,undefined -Db_lundef=false
+  configure build-asan -Db_sanitize=address,undefined -Db_lundef=false -Dfuzz=true
 fi

@@ -119,9 +119,11 @@ int driver_cmp(const H5FD_t* a, const H5FD_t* b) {
   return x < y ? -1 : x > y ? 1 : 0;
 }
 
+// Not H5FD_FEAT_POSIX_COMPAT_HANDLE: with it HDF5 resolves the file's name as a path (the name is
+// only a label here: the file is already open, and may be a memfd or a replaced path).
 herr_t driver_query(const H5FD_t*, unsigned long* flags) {
   *flags = H5FD_FEAT_AGGREGATE_METADATA | H5FD_FEAT_ACCUMULATE_METADATA | H5FD_FEAT_DATA_SIEVE |
-           H5FD_FEAT_AGGREGATE_SMALLDATA | H5FD_FEAT_POSIX_COMPAT_HANDLE;
+           H5FD_FEAT_AGGREGATE_SMALLDATA;
   return 0;
 }
 

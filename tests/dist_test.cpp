@@ -11,6 +11,8 @@
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <thread>
+#include <variant>
 #include <vector>
 
 #include "test_support.hpp"
@@ -273,4 +275,59 @@ TEST(Validation, ManyClaimsAreCheckedPartByPart) {
           << messages[0];
     }
   }
+}
+
+// Concurrent jobs: one keeps replacing the checkpoint at a path (atomically, as every save does)
+// while four ranks load it over and over. Each load gives every rank the bytes of one and the same
+// checkpoint, or fails on every rank with Errc::replaced; never a mix of two files.
+TEST(Consistency, ALoadThatOverlapsAReplaceLoadsOneCheckpointOrFailsTyped) {
+  ScratchDir dir;
+  const auto path = dir / "c.h5";
+  // A checkpoint whose every element and whose common value `tag` are `tag`.
+  const auto save_tagged = [&](std::int64_t tag, const std::filesystem::path& file) {
+    HostBuffer b = HostBuffer::zeros(DType::i64, {256, 64});
+    for (std::int64_t& x : b.mut_view().as<std::int64_t>()) x = tag;
+    StateDict s;
+    s.add(ShardedTensor::of("t", b.view(), {256, 64}, {0, 0}));
+    s.add_common("tag", tag);
+    save(s, file);
+  };
+  save_tagged(0, path);
+  std::atomic<bool> stop{false};
+  std::thread replacer([&] {
+    for (std::int64_t tag = 1; !stop; ++tag) save_tagged(tag, path);
+  });
+  int consistent = 0, replaced = 0;
+  for (int round = 0; round < 300; ++round) {
+    std::vector<std::int64_t> tags(4, -1);
+    std::atomic<int> refused{0};
+    try {
+      run_ranks(4, [&](ProcessGroup& g) {
+        StateDict request;
+        request.add(ShardedTensor::expect("t", DType::i64, {64, 64}, {256, 64}, {64 * g.rank(), 0}));
+        try {
+          const LoadedState s = load(path, request, g);
+          const std::int64_t tag = std::get<std::int64_t>(s.value("tag"));
+          for (std::int64_t x : s.tensor("t").view().as<std::int64_t>()) ASSERT_EQ(x, tag) << "rank " << g.rank();
+          tags[static_cast<std::size_t>(g.rank())] = tag;
+        } catch (const Error& e) {
+          ASSERT_EQ(e.code(), Errc::replaced) << e.what();
+          ++refused;
+        }
+      });
+    } catch (const Error& e) {
+      ADD_FAILURE() << e.what();
+    }
+    if (refused == 4) {
+      ++replaced;
+      continue;
+    }
+    ASSERT_EQ(refused, 0) << "ranks disagreed on the outcome";
+    for (std::int64_t t : tags) ASSERT_EQ(t, tags[0]) << "ranks loaded different checkpoints";
+    ++consistent;
+  }
+  stop = true;
+  replacer.join();
+  EXPECT_GT(consistent, 0);
+  std::printf("%d consistent loads, %d refused as replaced\n", consistent, replaced);
 }
