@@ -116,11 +116,19 @@ using BytesDone = std::function<void(std::int64_t bytes)>;
 // The temporary name a save writes under before it commits: `<path>.partial`.
 std::filesystem::path partial_path(const std::filesystem::path& path);
 
-// A created, unwritten checkpoint: its datasets (with extents, in key order) and where the
-// checksum table starts in the file.
+// A range of bytes of a file.
+struct ByteRange {
+  std::uint64_t offset = 0;
+  std::uint64_t length = 0;
+};
+
+// A created, unwritten checkpoint: its datasets (with extents, in key order), where the checksum
+// table starts in the file, and every range of raw data (tensors and the checksum table): all
+// other bytes are HDF5 metadata, which mark_complete seals.
 struct Skeleton {
   std::vector<DatasetInfo> datasets;
   std::uint64_t checksums_address = 0;
+  std::vector<ByteRange> data;
 };
 
 // Creates (truncating) the file at `partial` with every dataset allocated at its full shape,
@@ -162,8 +170,11 @@ class PieceWriter {
   std::unique_ptr<Impl> impl_;
 };
 
-// Marks a fully written skeleton complete and flushes it to disk.
-void mark_complete(const std::filesystem::path& partial);
+// Marks a fully written skeleton complete, then seals it: the XXH3-64 of every byte outside `data`
+// (its HDF5 metadata) goes into a trailer past HDF5's end of the file, which a reader checks before
+// HDF5 parses anything, so that damaged metadata is refused rather than trusted to HDF5's parser.
+// Flushes to disk.
+void mark_complete(const std::filesystem::path& partial, std::span<const ByteRange> data);
 // Atomically renames `partial` to `path` (replacing an earlier checkpoint) and syncs the directory.
 void commit(const std::filesystem::path& partial, const std::filesystem::path& path);
 // Removes a partial file after a failed save; never throws.
@@ -176,14 +187,25 @@ struct ReadOptions {
   BytesDone progress = {};
 };
 
+struct OpenOptions {
+  // The seal another rank already checked for this file: only compare the file's to it (0: the
+  // file must be unsealed). Unset: check the whole seal here.
+  std::optional<std::uint64_t> trusted_seal = {};
+  // Refuse (Errc::not_a_checkpoint) a file without a seal: one whose metadata HDF5 would parse
+  // unchecked (written by another tool, changed by one after the save, or written before seals).
+  bool require_seal = false;
+};
+
 // An open, complete checkpoint. Metadata and data come from one open file: a path replaced while
 // the reader is open does not change what it reads. Reads from many threads run in parallel on
 // the direct path.
 class CheckpointReader {
  public:
-  // Throws Errc::not_a_checkpoint for a file that is not a complete shardckpt checkpoint (missing,
-  // foreign, unfinished, truncated, or with metadata that contradicts itself), naming the attribute.
-  explicit CheckpointReader(const std::filesystem::path& path);
+  // Throws Errc::corrupt when the file's seal shows its metadata was damaged, Errc::replaced when
+  // it does not match options.trusted_seal, and Errc::not_a_checkpoint for a file that is not a
+  // complete shardckpt checkpoint (missing, foreign, unfinished, truncated, or with metadata that
+  // contradicts itself), naming the attribute.
+  explicit CheckpointReader(const std::filesystem::path& path, OpenOptions options = {});
   CheckpointReader(CheckpointReader&&) noexcept;
   CheckpointReader& operator=(CheckpointReader&&) noexcept;
   ~CheckpointReader();
@@ -193,6 +215,9 @@ class CheckpointReader {
   // False for checkpoints written before checksums existed (format version 1) or saved without.
   bool checksummed() const noexcept;
   io::FileIdentity identity() const;
+  // The checksum of the file's HDF5 metadata, when it carries a seal; files written by other tools,
+  // changed by them after the save, or written before seals existed carry none.
+  std::optional<std::uint64_t> seal() const noexcept;
   // Kind, common values, id, and the parameter records as parsed (see params()).
   const CheckpointContents& contents() const noexcept;
   // The parameter records, each checked against the datasets of its blocks (keys, shapes, one

@@ -1,17 +1,44 @@
 #!/usr/bin/env bash
-# Builds and runs every test: the debugoptimized suite (with the 4-process MPI suite), then the same
-# unit suites under ASan+UBSan. Ends with one line: "tests: N passed, N failed, N skipped".
+# Builds and runs every test: the debugoptimized suite (with the 4-process MPI suite and the CLI
+# tests), the unit suites again under ASan+UBSan, the hostile-file generator against the sanitized
+# tool, a bounded libFuzzer run over the seed corpus, and the kill tests. Ends with one line:
+# "tests: N passed, N failed, N skipped".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --asan || exit 1
 log=$(mktemp)
-trap 'rm -f "$log"' EXIT
+work=$(mktemp -d)
+trap 'rm -rf "$log" "$work"' EXIT
 status=0
 meson compile -C build || exit 1
 meson test -C build --print-errorlogs 2>&1 | tee -a "$log" || status=1
 meson compile -C build-asan || exit 1
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
   meson test -C build-asan --print-errorlogs --no-suite mpi 2>&1 | tee -a "$log" || status=1
+
+# Hostile files through every command of the sanitized tool.
+/usr/bin/python3 tests/hostile_test.py build-asan/shardckpt 2>&1 | tee -a "$log" || status=1
+
+# The fuzzer, for about a minute from the seed corpus (its finds stay in $work). A crash it finds
+# is kept: copy the input it names into tests/fuzz/regressions/, which the unit tests replay.
+mkdir -p "$work/corpus"
+cp tests/fuzz/corpus/* "$work/corpus/"
+if ASAN_OPTIONS=detect_leaks=1 build-asan/tests/fuzz_reader -max_total_time=60 -max_len=65536 -timeout=10 \
+     -rss_limit_mb=2048 -artifact_prefix="$work/" "$work/corpus" > "$work/fuzz.log" 2>&1; then
+  echo "fuzz: $(grep -o 'Done [0-9]* runs in [0-9]* second(s)' "$work/fuzz.log"), no crash"
+  echo "fuzz: 1 passed, 0 failed" | tee -a "$log"
+else
+  tail -40 "$work/fuzz.log"
+  echo "fuzz: crashed; keep the input: cp $work/crash-* tests/fuzz/regressions/" 
+  echo "fuzz: 0 passed, 1 failed" | tee -a "$log"
+  mkdir -p build/fuzz-crashes && cp "$work"/crash-* "$work"/leak-* "$work"/timeout-* build/fuzz-crashes/ 2> /dev/null
+  status=1
+fi
+
+# SIGKILLed saves: the path always holds a complete checkpoint that verifies.
+/usr/bin/python3 tests/kill_test.py build/shardckpt 2>&1 | tee -a "$log" || status=1
+
 count() { awk -v k="$1" '$1 == k":" { n += $2 } END { print n + 0 }' "$log"; }
-echo "tests: $(count Ok) passed, $(($(count Fail) + $(count Timeout))) failed, $(count Skipped) skipped"
+scripts=$(awk '/^(hostile files|fuzz|kill test): [0-9]+ passed, [0-9]+ failed$/ { p += $(NF-3); f += $(NF-1) } END { print p + 0, f + 0 }' "$log")
+echo "tests: $(($(count Ok) + ${scripts% *})) passed, $(($(count Fail) + $(count Timeout) + ${scripts#* })) failed, $(count Skipped) skipped"
 exit $status

@@ -331,7 +331,7 @@ std::int64_t gather_save(const ModelConfig& config, const Layout& layout, const 
                    weight.view().rows(writes[w].block.local_rows.begin, writes[w].block.local_rows.end));
   }
   writer.finish();
-  mark_complete(partial);
+  mark_complete(partial, skeleton.data);
   commit(partial, path);
   return peak;
 }

@@ -514,6 +514,7 @@ void save(const StateDict& state, const fs::path& path, ProcessGroup& group, Sav
     if (me == 0 && options.on_phase) options.on_phase(p);
   };
   fs::path target, partial;
+  std::vector<ByteRange> data;  // rank 0: the raw data ranges of the file, for the seal
   try {
     SavePlan plan;
     phase(SavePhase::planning);
@@ -551,6 +552,7 @@ void save(const StateDict& state, const fs::path& path, ProcessGroup& group, Sav
           target = io::follow_links(path);
           partial = partial_path(target);
           const Skeleton skeleton = create_skeleton(partial, planned.specs, contents, planned.units);
+          data = skeleton.data;
           Writer w;
           w.str(target.string());
           w.i64(static_cast<std::int64_t>(skeleton.datasets.size()));
@@ -592,7 +594,7 @@ void save(const StateDict& state, const fs::path& path, ProcessGroup& group, Sav
     phase(SavePhase::committing);
     agree(group, "committing the checkpoint", [&] {
       if (me == 0) {
-        mark_complete(partial);
+        mark_complete(partial, data);
         commit(partial, target);
       }
     });
@@ -611,7 +613,23 @@ void save(const StateDict& state, const fs::path& path, SaveOptions options) {
 
 LoadedState load(const fs::path& path, const StateDict& request, ProcessGroup& group, LoadOptions options) {
   std::optional<CheckpointReader> reader;
-  agree(group, cat("opening ", path.string()), [&] { reader.emplace(path); });
+  // Rank 0 checks the seal of the file's metadata; the others then only that they opened the file it
+  // checked, so that the whole metadata is read once, not once per rank.
+  const Bytes sealed = decide_at_root(
+      group, cat("opening ", path.string()),
+      [&] {
+        if (group.rank() == 0) reader.emplace(path);
+        return Bytes();
+      },
+      [&](const std::vector<std::span<const std::byte>>&) {
+        Writer w;
+        w.i64(static_cast<std::int64_t>(reader->seal().value_or(0)));
+        return w.take();
+      });
+  const auto seal = static_cast<std::uint64_t>(Reader(sealed).i64());
+  agree(group, cat("opening ", path.string()), [&] {
+    if (group.rank() != 0) reader.emplace(path, OpenOptions{.trusted_seal = seal});
+  });
   // Every rank opened the path on its own: they must all have opened the same checkpoint.
   const std::string& id = reader->contents().id;
   const std::vector<Bytes> ids = group.all_gather(std::as_bytes(std::span(id.data(), id.size())));

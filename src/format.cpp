@@ -266,6 +266,94 @@ Hid create_dataset(hid_t file, const DatasetSpec& d, const Where& w) {
                H5Dclose, w);
 }
 
+// ---- the seal: a checksum of the HDF5 metadata, checked before HDF5 reads any of it -----------------
+
+// The trailer past HDF5's end of the file: the metadata ranges, then this tail, last.
+struct SealTail {
+  std::uint64_t regions = 0;      // ByteRanges before the tail
+  std::uint64_t sealed_size = 0;  // the file's size without the trailer
+  std::uint64_t metadata_hash = 0;
+  std::uint64_t regions_hash = 0;
+  std::uint64_t trailer_bytes = 0;
+  std::uint64_t magic = 0;
+};
+constexpr std::uint64_t seal_magic = 0x4c4145534b434853;  // "SHCKSEAL"
+static_assert(sizeof(SealTail) == 48 && sizeof(ByteRange) == 16);
+
+// The ranges of [0, size) that are not in `data`: what HDF5 wrote.
+std::vector<ByteRange> metadata_ranges(std::span<const ByteRange> data, std::uint64_t size) {
+  std::vector<ByteRange> sorted(data.begin(), data.end());
+  std::sort(sorted.begin(), sorted.end(), [](const ByteRange& a, const ByteRange& b) { return a.offset < b.offset; });
+  std::vector<ByteRange> out;
+  std::uint64_t at = 0;
+  for (const ByteRange& d : sorted) {
+    const std::uint64_t begin = std::min(d.offset, size), end = std::min(d.offset + d.length, size);
+    if (begin > at) out.push_back({at, begin - at});
+    at = std::max(at, end);
+  }
+  if (at < size) out.push_back({at, size - at});
+  return out;
+}
+
+std::uint64_t hash_ranges(const io::File& file, std::span<const ByteRange> ranges) {
+  XXH3_state_t state;
+  XXH3_64bits_reset(&state);
+  std::vector<std::byte> buffer(static_cast<std::size_t>(batch_bytes));
+  for (const ByteRange& r : ranges)
+    for (std::uint64_t done = 0; done < r.length;) {
+      const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(r.length - done, buffer.size()));
+      file.pread_all(buffer.data(), n, r.offset + done);
+      XXH3_64bits_update(&state, buffer.data(), n);
+      done += n;
+    }
+  return XXH3_64bits_digest(&state);
+}
+
+void write_seal(io::File& file, std::span<const ByteRange> data) {
+  const std::uint64_t size = file.size();
+  const std::vector<ByteRange> regions = metadata_ranges(data, size);
+  const auto list_bytes = regions.size() * sizeof(ByteRange);
+  const SealTail tail{regions.size(), size, hash_ranges(file, regions), row_hash(regions.data(), list_bytes),
+                      list_bytes + sizeof(SealTail), seal_magic};
+  file.pwrite_all(regions.data(), list_bytes, size);
+  file.pwrite_all(&tail, sizeof tail, size + list_bytes);
+}
+
+// The file's seal, checked: its metadata hash, or nothing for an unsealed file. With `trusted`,
+// only compares the tail's hash to it (another rank checked the rest of this very file).
+std::optional<std::uint64_t> check_seal(const io::File& file, std::optional<std::uint64_t> trusted) {
+  const std::uint64_t size = file.size();
+  SealTail tail;
+  if (size < sizeof tail) return std::nullopt;
+  file.pread_all(&tail, sizeof tail, size - sizeof tail);
+  const auto damaged = [&](std::string_view why) {
+    throw Error(Errc::corrupt, cat(file.path().string(), ": its metadata differs from what was saved (", why, ")"));
+  };
+  if (tail.magic != seal_magic) {
+    if (trusted.value_or(0) != 0)
+      throw Error(Errc::replaced, cat(file.path().string(), " is not the sealed checkpoint another rank opened"));
+    return std::nullopt;
+  }
+  if (tail.regions > size / sizeof(ByteRange) || tail.trailer_bytes != tail.regions * sizeof(ByteRange) + sizeof tail ||
+      tail.trailer_bytes > size || tail.sealed_size != size - tail.trailer_bytes)
+    damaged("its seal does not describe the file");
+  if (trusted) {
+    if (*trusted != tail.metadata_hash)
+      throw Error(Errc::replaced, cat(file.path().string(), " is not the checkpoint another rank opened"));
+    return tail.metadata_hash;
+  }
+  std::vector<ByteRange> regions(static_cast<std::size_t>(tail.regions));
+  file.pread_all(regions.data(), regions.size() * sizeof(ByteRange), tail.sealed_size);
+  if (row_hash(regions.data(), regions.size() * sizeof(ByteRange)) != tail.regions_hash) damaged("its seal is damaged");
+  std::uint64_t at = 0;
+  for (const ByteRange& r : regions) {
+    if (r.offset < at || r.length > tail.sealed_size - r.offset) damaged("its seal lists overlapping ranges");
+    at = r.offset + r.length;
+  }
+  if (hash_ranges(file, regions) != tail.metadata_hash) damaged("the seal does not match");
+  return tail.metadata_hash;
+}
+
 }  // namespace
 
 // ---- records, slabs and the chunking policy ------------------------------------------------------------
@@ -354,6 +442,7 @@ Skeleton create_skeleton(const fs::path& partial, std::span<const DatasetSpec> d
         const haddr_t addr = H5Dget_offset(set.get());
         require(addr != HADDR_UNDEF, Errc::hdf5, "HDF5 did not allocate the checksum table of ", partial.string());
         out.checksums_address = addr;
+        out.data.push_back({addr, static_cast<std::uint64_t>(units) * sizeof(std::uint64_t)});
       }
       set.close(w);
     }
@@ -377,6 +466,8 @@ Skeleton create_skeleton(const fs::path& partial, std::span<const DatasetSpec> d
       Hid type = hdf5::type_of(d.dtype);
       out.datasets.push_back({d.key, d.dtype, d.shape, extents_of(set.get(), type.get(), d.shape, d.dtype, dw),
                               d.placement});
+      for (const Extent& e : out.datasets.back().extents)
+        out.data.push_back({e.address, static_cast<std::uint64_t>(box_elements(e.box)) * dtype_size(d.dtype)});
       set.close(dw);
     }
     if (slabs) slabs.close(w);
@@ -486,7 +577,7 @@ void PieceWriter::finish() {
   m.file.close();
 }
 
-void mark_complete(const fs::path& partial) {
+void mark_complete(const fs::path& partial, std::span<const ByteRange> data) {
   const Where w{partial, "", "mark the checkpoint complete"};
   io::File f = io::File::open_update(partial);
   hdf5::Channel channel(f);
@@ -497,6 +588,7 @@ void mark_complete(const fs::path& partial) {
     meta.close(w);
     hdf5::close_written(file, channel, "mark the checkpoint complete");
   }
+  write_seal(f, data);
   f.sync();
   f.close();
 }
@@ -528,6 +620,7 @@ struct CheckpointReader::Impl {
   std::int64_t total_units = 0;
   std::optional<std::uint64_t> checksums_address;
   std::uint64_t file_size = 0;
+  std::optional<std::uint64_t> seal;
 
   mutable std::mutex mutex;  // guards everything below
   std::map<std::string, Entry, std::less<>> index;
@@ -614,13 +707,16 @@ void CheckpointReader::Impl::read_metadata() {
   }
 }
 
-CheckpointReader::CheckpointReader(const fs::path& path) : impl_(std::make_unique<Impl>()) {
+CheckpointReader::CheckpointReader(const fs::path& path, OpenOptions options) : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
   m.path = path;
   std::error_code ec;
   if (!fs::exists(path, ec)) m.refuse("no such file");
   if (!fs::is_regular_file(path, ec)) m.refuse("not a regular file");
   m.file = io::File::open_read(path);
+  // Before HDF5 reads a byte: damaged metadata of a sealed file never reaches HDF5's parser.
+  m.seal = check_seal(m.file, options.trusted_seal);
+  if (options.require_seal && !m.seal) m.refuse("it has no seal, so its metadata cannot be checked before HDF5 reads it");
   m.file_size = m.file.size();
   m.channel = std::make_unique<hdf5::Channel>(m.file);
   try {
@@ -768,6 +864,7 @@ const fs::path& CheckpointReader::path() const noexcept { return impl_->path; }
 int CheckpointReader::version() const noexcept { return impl_->version; }
 bool CheckpointReader::checksummed() const noexcept { return impl_->checksummed; }
 io::FileIdentity CheckpointReader::identity() const { return impl_->file.identity(); }
+std::optional<std::uint64_t> CheckpointReader::seal() const noexcept { return impl_->seal; }
 const CheckpointContents& CheckpointReader::contents() const noexcept { return impl_->contents; }
 
 const std::vector<ParamRecord>& CheckpointReader::params() const {

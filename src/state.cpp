@@ -249,12 +249,16 @@ const CommonValue& LoadedState::value(std::string_view key) const {
 }
 
 void notice_unchecked(const CheckpointReader& reader, const LoadOptions& options) {
-  if (!options.verify_checksums || reader.checksummed()) return;
-  const std::string line =
-      reader.version() < 2
-          ? cat(reader.path().string(), " was written before checksums existed (format version ", reader.version(),
-                "): its bytes are loaded unchecked")
-          : cat(reader.path().string(), " was saved without checksums: its bytes are loaded unchecked");
+  std::string line;
+  if (reader.version() < 2)
+    line = cat(reader.path().string(), " was written before checksums existed (format version ", reader.version(),
+               "): its bytes are loaded unchecked");
+  else if (options.verify_checksums && !reader.checksummed())
+    line = cat(reader.path().string(), " was saved without checksums: its bytes are loaded unchecked");
+  else if (!reader.seal())
+    line = cat(reader.path().string(), " has no seal (another tool changed it after the save): its HDF5 metadata is ",
+               "read unchecked");
+  if (line.empty()) return;
   if (options.notice)
     options.notice(line);
   else
@@ -314,7 +318,7 @@ void save_local(const StateDict& state, const fs::path& path, IoMethod method) {
     for (std::size_t n = 0; n < plan.items.size(); ++n)
       writer.write(skeleton.datasets[n], whole_box(plan.items[n].count), plan.items[n].data);
     writer.finish();
-    mark_complete(partial);
+    mark_complete(partial, skeleton.data);
     commit(partial, target);
   } catch (Error& e) {
     discard(partial);

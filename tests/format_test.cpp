@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -61,7 +62,7 @@ void write_all(const std::filesystem::path& file, IoMethod method, bool chunked 
   w.write(sk.datasets[1], std::vector<std::int64_t>{0, 0, 0}, std::vector<std::int64_t>{5, 2, 2}, left.view());
   w.write(sk.datasets[1], std::vector<std::int64_t>{0, 2, 0}, std::vector<std::int64_t>{5, 2, 2}, right.view());
   w.finish();
-  mark_complete(file);
+  mark_complete(file, sk.data);
 }
 
 std::vector<float> read_out(const CheckpointReader& r, ReadOptions options = {}) {
@@ -281,12 +282,44 @@ TEST(Format, FilesThatAreNotCompleteCheckpointsAreRefused) {
 TEST(Format, TruncatedFileIsRefused) {
   ScratchDir dir;
   write_all(dir / "c.h5", IoMethod::direct);
-  std::filesystem::resize_file(dir / "c.h5", std::filesystem::file_size(dir / "c.h5") - 64);
+  // Past the seal's trailer and into what HDF5 wrote.
+  std::filesystem::resize_file(dir / "c.h5", std::filesystem::file_size(dir / "c.h5") - 4096);
   EXPECT_EQ(error_of([&] {
               const CheckpointReader r(dir / "c.h5");
               (void)read_out(r);
             }).code(),
             Errc::not_a_checkpoint);
+}
+
+TEST(Format, TheSealCatchesDamagedMetadataBeforeHdf5ReadsIt) {
+  ScratchDir dir;
+  const auto file = dir / "c.h5";
+  write_all(file, IoMethod::direct);
+  const std::optional<std::uint64_t> seal = CheckpointReader(file).seal();
+  ASSERT_TRUE(seal.has_value());
+  const std::string good = testing_support::file_bytes(file);
+  const auto damaged = [&](std::uint64_t at) {
+    std::ofstream(file, std::ios::binary) << good;
+    flip_byte(file, at);
+    return error_of([&] { CheckpointReader r(file); });
+  };
+  // The superblock, the root group's header, the seal's own trailer: each is refused as damaged,
+  // naming the file, before HDF5 parses a byte.
+  for (const std::uint64_t at : {std::uint64_t{8}, std::uint64_t{60}, good.size() - 30, good.size() - 60}) {
+    const Error e = damaged(at);
+    EXPECT_EQ(e.code(), Errc::corrupt) << "byte " << at << ": " << e.what();
+    EXPECT_TRUE(contains(e.what(), file.string())) << e.what();
+  }
+  // A rank that is told which seal another rank checked opens only that checkpoint.
+  std::ofstream(file, std::ios::binary) << good;
+  EXPECT_NO_THROW(CheckpointReader(file, {.trusted_seal = *seal}));
+  EXPECT_EQ(error_of([&] { CheckpointReader r(file, {.trusted_seal = *seal + 1}); }).code(), Errc::replaced);
+  EXPECT_EQ(error_of([&] { CheckpointReader r(file, {.trusted_seal = 0}); }).code(), Errc::replaced);
+  // Without its trailer the file is read as an unsealed one (as after h5py changed it).
+  std::filesystem::resize_file(file, good.size() - 48);
+  EXPECT_FALSE(CheckpointReader(file).seal().has_value());
+  const auto v = read_out(CheckpointReader(file));
+  for (std::size_t i = 0; i < v.size(); ++i) ASSERT_EQ(v[i], out_value(i)) << i;
 }
 
 TEST(Format, CommitReplacesAtomicallyAndDiscardCleansUp) {
@@ -336,10 +369,10 @@ TEST(Format, ParamRecordsRoundTripAndPlanAtAnyTp) {
                        TpAxis::rows,
                        2};
   const ParamRecord rec = record_of(spec);
-  (void)create_skeleton(dir / "p.h5", {},
-                        {CheckpointKind::global, {rec}, {{"name", std::string("demo")}, {"lr", 0.5}}, std::string(32, 'b')},
-                        0);
-  mark_complete(dir / "p.h5");
+  const Skeleton sk = create_skeleton(
+      dir / "p.h5", {}, {CheckpointKind::global, {rec}, {{"name", std::string("demo")}, {"lr", 0.5}}, std::string(32, 'b')},
+      0);
+  mark_complete(dir / "p.h5", sk.data);
   const CheckpointReader r(dir / "p.h5");
   ASSERT_EQ(r.contents().params.size(), 1u);
   EXPECT_EQ(r.contents().params[0], rec);
@@ -365,8 +398,8 @@ TEST(Format, LargeParameterRecordsAndManyCommonValuesFitAndReadInLinearTime) {
                        {4096}});
   std::map<std::string, CommonValue, std::less<>> common{{"config", std::string(200'000, 'c')}};
   for (int i = 0; i < 20'000; ++i) common.emplace("value." + std::to_string(i), std::int64_t{i});
-  (void)create_skeleton(dir / "big.h5", {}, {CheckpointKind::global, records, common, std::string(32, 'c')}, 0);
-  mark_complete(dir / "big.h5");
+  const Skeleton sk = create_skeleton(dir / "big.h5", {}, {CheckpointKind::global, records, common, std::string(32, 'c')}, 0);
+  mark_complete(dir / "big.h5", sk.data);
   const CheckpointReader r(dir / "big.h5");
   EXPECT_EQ(r.contents().params, records);
   EXPECT_EQ(r.contents().common, common);

@@ -29,6 +29,7 @@ struct DemoFlags {
   bool load_align_given = false;
   std::string method = "direct";
   bool no_checksums = false;
+  bool phases = false;
 };
 
 // The reload layout: by default as many ranks as the save, and never the very layout that saved.
@@ -60,8 +61,12 @@ Saved save_model(const DemoFlags& f, const demo::ModelConfig& config, const demo
     }
     group.barrier();
     const auto t0 = std::chrono::steady_clock::now();
+    const auto phase = [&](SavePhase p) {
+      if (f.phases) std::fprintf(stderr, "shardckpt: save phase: %s\n", std::string(save_phase_name(p)).c_str());
+    };
     save(rank.state, f.out, group,
-         {.method = method_of(f.method), .checksums = !f.no_checksums, .progress = progress.callback()});
+         {.method = method_of(f.method), .checksums = !f.no_checksums, .on_phase = phase,
+          .progress = progress.callback()});
     if (group.rank() == 0) out.seconds = seconds_since(t0);
   });
   std::int64_t totals[2] = {out.shard_bytes, out.pad_rows};
@@ -162,6 +167,7 @@ Runner add_demo(CLI::App& app, Global& global) {
   cmd->add_option("--load-align", f->load.align, "alignment of the reload (default 8, or 4 if that equals the save)")
       ->check(CLI::Range(std::int64_t{0}, max_align));
   cmd->add_flag("--no-checksums", f->no_checksums, "save without checksums (loads then cannot check what they read)");
+  cmd->add_flag("--phases", f->phases, "print each phase of the save on standard error as it begins");
   add_method(*cmd, f->method);
   add_json(*cmd, global);
   return [f, cmd, &global] {
