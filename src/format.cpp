@@ -53,8 +53,10 @@ constexpr std::string_view no_checksums = "none";
 constexpr std::int64_t batch_bytes = std::int64_t{1} << 20;
 // Chunks of at most this many bytes (HDF5 caps a chunk at 4 GiB).
 constexpr std::int64_t max_chunk_bytes = std::int64_t{1} << 30;
-// Chunk lists longer than this (small chunks written by other tools) are read through HDF5.
-constexpr std::int64_t max_direct_chunks = std::int64_t{1} << 17;
+// Chunk lists longer than this (small chunks written by other tools) are read through HDF5: HDF5
+// 1.10 finds one chunk's address in time linear in the chunks, so listing n costs n^2 (a dataset
+// of 100,000 chunks took 75 s). A save chunks a dataset one TP band wide: far fewer chunks.
+constexpr std::int64_t max_direct_chunks = 4096;
 // Slabs in one dataset's table (5 values each) a reader accepts.
 constexpr std::size_t max_slab_values = std::size_t{5} << 24;
 
@@ -178,7 +180,6 @@ std::vector<Extent> extents_of(hid_t set, hid_t type, const std::vector<std::int
                   "chunk size", Errc::not_a_checkpoint);
   std::vector<Extent> out;
   std::vector<hsize_t> offset(rank, 0);
-  // Looked up by coordinate: HDF5 1.10 lists chunks by index only in quadratic time.
   for (std::int64_t rc = 0; rc < row_chunks; ++rc)
     for (std::int64_t cc = 0; cc < col_chunks; ++cc) {
       offset[0] = static_cast<hsize_t>(rc * chunk_rows);

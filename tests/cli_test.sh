@@ -138,6 +138,13 @@ check "load resharded" "$exe" load "$dir/re.h5" --tp 2 --gtp 4 --align 2 --verif
 expect_rc 1 "reshard a tampered file" "$exe" reshard "$dir/tampered.h5" "$dir/bad.h5"
 check "no output from a refused reshard" test ! -e "$dir/bad.h5" -a ! -e "$dir/bad.h5.partial"
 
+# Objects of other tools at the root (a scalar dataset, a group) are skipped by name, not fatal.
+cp "$dir/demo.h5" "$dir/foreign.h5"
+$py -c "
+import h5py; f = h5py.File('$dir/foreign.h5', 'r+'); f['scalar'] = 3.0; f.create_group('extra')" || fail "add foreign objects"
+check "reshard skips a scalar dataset" "$exe" reshard "$dir/foreign.h5" "$dir/foreign-re.h5" --tp 1 --gtp 1 --align 0
+check "inspect names what it skips" bash -c "'$exe' inspect '$dir/foreign.h5' | grep -q 'scalar .*skipped: a scalar dataset'"
+
 # ---- inspect ---------------------------------------------------------------------------------------------------
 check "inspect json" $py -c "
 import json, subprocess
