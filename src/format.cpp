@@ -348,7 +348,8 @@ std::optional<std::uint64_t> check_seal(const io::File& file, std::optional<std:
   if (row_hash(regions.data(), regions.size() * sizeof(ByteRange)) != tail.regions_hash) damaged("its seal is damaged");
   std::uint64_t at = 0;
   for (const ByteRange& r : regions) {
-    if (r.offset < at || r.length > tail.sealed_size - r.offset) damaged("its seal lists overlapping ranges");
+    if (r.offset < at || r.offset > tail.sealed_size || r.length > tail.sealed_size - r.offset)
+      damaged("its seal lists ranges that overlap or leave the file");
     at = r.offset + r.length;
   }
   if (hash_ranges(file, regions) != tail.metadata_hash) damaged("the seal does not match");
@@ -398,6 +399,9 @@ std::vector<DatasetSpec> datasets_of(std::span<const Claim> claims, std::span<co
           checked_mul(checked_mul(element_size(c0.dtype), width, "chunk row bytes"),
                       element_count(std::span(shape).subspan(2)), "chunk row bytes");
       spec.chunk[0] = std::clamp<std::int64_t>(max_chunk_bytes / row_bytes, 1, shape[0]);
+      // The direct path must find every chunk (see max_direct_chunks); past that, contiguous.
+      const std::int64_t chunks = (shape[0] + spec.chunk[0] - 1) / spec.chunk[0] * (shape[1] / width);
+      if (chunks > max_direct_chunks) spec.chunk.clear();
     }
     std::sort(spec.slabs.begin(), spec.slabs.end(), [](const Slab& a, const Slab& b) {
       return a.box.rows.begin != b.box.rows.begin ? a.box.rows.begin < b.box.rows.begin

@@ -135,7 +135,8 @@ Runner add_load(CLI::App& app, Global& global) {
                   demo::layout_text(layout).c_str(), o.seconds);
       std::printf("  checksums: %s\n", checksums                ? "every byte read matched"
                                        : reader.checksummed() ? "not checked (--no-checksums)"
-                                                              : "none in this checkpoint (written before they existed)");
+                                       : reader.version() < 2 ? "none in this checkpoint (written before they existed)"
+                                                              : "none in this checkpoint (saved without them)");
       if (f->verify)
         std::printf("  verified %lld values against the demo pattern and %lld pad rows: %s\n",
                     static_cast<long long>(o.values), static_cast<long long>(o.pad_rows),
