@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds and runs every test: the debugoptimized suite (with the 4-process MPI suite and the CLI
 # tests), the unit suites again under ASan+UBSan, the hostile-file generator against the sanitized
-# tool, a bounded libFuzzer run over the seed corpus, and the kill tests. Ends with one line:
-# "tests: N passed, N failed, N skipped".
+# tool, a bounded libFuzzer run over the seed corpus, the kill tests, the two example consumers
+# (installed library through pkg-config, and subproject), and the documentation's excerpts and
+# links. Ends with one line: "tests: N passed, N failed, N skipped".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --asan || exit 1
@@ -38,7 +39,11 @@ fi
 # SIGKILLed saves: the path always holds a complete checkpoint that verifies.
 /usr/bin/python3 tests/kill_test.py build/shardckpt 2>&1 | tee -a "$log" || status=1
 
+# What a new user builds: the examples, against an installed library and as a subproject.
+bash tests/consumers_test.sh build 2>&1 | tee -a "$log" || status=1
+/usr/bin/python3 tests/docs_test.py 2>&1 | tee -a "$log" || status=1
+
 count() { awk -v k="$1" '$1 == k":" { n += $2 } END { print n + 0 }' "$log"; }
-scripts=$(awk '/^(hostile files|fuzz|kill test): [0-9]+ passed, [0-9]+ failed$/ { p += $(NF-3); f += $(NF-1) } END { print p + 0, f + 0 }' "$log")
+scripts=$(awk '/^(hostile files|fuzz|kill test|consumers|docs): [0-9]+ passed, [0-9]+ failed$/ { p += $(NF-3); f += $(NF-1) } END { print p + 0, f + 0 }' "$log")
 echo "tests: $(($(count Ok) + ${scripts% *})) passed, $(($(count Fail) + $(count Timeout) + ${scripts#* })) failed, $(count Skipped) skipped"
 exit $status
