@@ -210,7 +210,7 @@ void raw_write(const fs::path& file, const std::vector<SavePlan>& plans) {
   if (fd < 0) die("open " + file.string());
   for (const SavePlan& plan : plans)
     for (const SaveItem& i : plan.items)
-      if (i.main_replica) write_all(fd, i.data.data(), i.data.bytes());
+      if (i.writes) write_all(fd, i.data.data(), i.data.bytes());
   if (::fsync(fd) != 0) die("fsync " + file.string());
   ::close(fd);
 }
@@ -283,7 +283,7 @@ LoadRun timed_load(const fs::path& file, const demo::ModelConfig& c, const demo:
     for (unsigned w = 0; w < std::max(1u, std::thread::hardware_concurrency()); ++w)
       workers.emplace_back([&] {
         for (int r; (r = next++) < l.ranks();)
-          v[static_cast<std::size_t>(r)] = demo::verify(c, l, r, *loaded[static_cast<std::size_t>(r)]);
+          v[static_cast<std::size_t>(r)] = demo::verify(c, {}, r, requests[static_cast<std::size_t>(r)], *loaded[static_cast<std::size_t>(r)]);
       });
     for (auto& w : workers) w.join();
     for (const auto& x : v) {
@@ -361,8 +361,9 @@ PlanFigures plan_seed_scale() {
   for (int r = 0; r < ranks; ++r) {
     StateDict state;
     for (const ParamSpec& spec : all) {
-      ShardedParam p{spec, f.gtp, f.align, {r / f.gtp, r % f.gtp}, DType::bf16, 0, {}};
-      p.shard = TensorView::borrow(nullptr, DType::bf16, p.shard_shape());
+      ShardedParam p{spec, f.gtp, f.align, {r / f.gtp, r % f.gtp}, DType::bf16};
+      // Planning never touches the bytes: a borrow of no memory is enough.
+      p.shard = unchecked_borrow(TensorView::borrow(nullptr, DType::bf16, p.shard_shape()));
       state.add(std::move(p));
     }
     std::vector<Claim> mine;
@@ -407,10 +408,18 @@ json piece_plan(const std::vector<SavePlan>& plans) {
   json datasets = json::object(), pieces = json::array();
   for (std::size_t r = 0; r < plans.size(); ++r)
     for (const SaveItem& i : plans[r].items) {
-      if (!i.main_replica) continue;
+      if (!i.writes) continue;
       datasets[i.key] = {{"shape", i.global_shape}, {"dtype", dtype_name(i.dtype)}};
-      pieces.push_back({{"key", i.key}, {"offset", i.global_offset}, {"count", i.count}, {"dtype", dtype_name(i.dtype)},
-                        {"rank", r}});
+      // Dims past 1 are never split: the box's columns are whole elements of dim 1.
+      const std::int64_t inner = element_count(std::span(i.global_shape).subspan(std::min<std::size_t>(2, i.global_shape.size())));
+      std::vector<std::int64_t> offset(i.global_shape.size(), 0), count = i.global_shape;
+      offset[0] = i.box.rows.begin;
+      count[0] = i.box.rows.size();
+      if (i.global_shape.size() > 1) {
+        offset[1] = i.box.cols.begin / inner;
+        count[1] = i.box.cols.size() / inner;
+      }
+      pieces.push_back({{"key", i.key}, {"offset", offset}, {"count", count}, {"dtype", dtype_name(i.dtype)}, {"rank", r}});
     }
   json ds = json::array();
   for (auto& [key, d] : datasets.items()) ds.push_back({{"key", key}, {"shape", d["shape"]}, {"dtype", d["dtype"]}});
@@ -525,10 +534,10 @@ int run(const Options& o) {
   std::size_t pieces = 0;
   for (const SavePlan& p : plans)
     for (const SaveItem& i : p.items) {
-      if (!i.main_replica || i.data.empty()) continue;
+      if (!i.writes || i.data.empty()) continue;
       bytes += static_cast<std::int64_t>(i.data.bytes());
       ++pieces;
-      if (i.count.size() > 1 && i.count[1] < i.global_shape[1]) {
+      if (i.box.cols.size() < element_count(std::span(i.global_shape).subspan(1))) {
         ++row_parallel_pieces;
         row_parallel_bytes += static_cast<std::int64_t>(i.data.bytes());
       }

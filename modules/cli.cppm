@@ -3,9 +3,12 @@
 // ranks or as one rank of an MPI job, the progress line, and the exit codes. Not part of the library.
 module;
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -71,6 +74,39 @@ struct LayoutFlags {
   // The layout with --ranks applied (N = k x TP x GTP means DP k); checks the rank count.
   demo::Layout resolve() const;
 };
+
+// --device: where the shards live (host, pinned, emulated, cuda); loads fill them in place.
+struct DeviceFlags {
+  std::string device = "host";
+  void add(CLI::App& cmd);
+};
+
+// One rank's memory: the engine of its device (none for host memory), where its shards go, and the
+// pinned pool that loads into device memory stream through.
+struct RankDevice {
+  std::unique_ptr<CopyEngine> engine;
+  demo::Placement placement;
+  std::optional<StagingPool> pool;
+  const StagingPool* staging() const { return pool ? &*pool : nullptr; }
+};
+// `rank` picks the CUDA device (rank modulo the devices); the pool has two buffers of
+// staging_buffer_bytes(rank_bytes). Throws Errc::device without one.
+RankDevice open_device(const std::string& device, int rank, std::int64_t rank_bytes);
+// Pinned buffers of 64 MiB, or less for a rank whose shards are smaller (the demo's are small, and
+// each thread rank would otherwise pin 128 MiB).
+std::size_t staging_buffer_bytes(std::int64_t rank_bytes);
+
+// --optimizer and --distributed-optimizer.
+struct TrainingFlags {
+  std::string optimizer = "none";
+  bool distributed = false;
+  void add(CLI::App& cmd);
+  demo::Training get() const;
+};
+
+// The group of this rank's data-parallel copies (its TP and GTP ranks at every DP rank), ranked by
+// DP rank (collective over `group`).
+std::unique_ptr<ProcessGroup> replica_group(ProcessGroup& group, const demo::Layout& layout);
 
 // Runs one collective job on `ranks` thread ranks or, with `mpi`, as this process's rank of
 // MPI_COMM_WORLD (whose size must be `ranks`).

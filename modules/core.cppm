@@ -32,6 +32,7 @@ enum class Errc : std::uint8_t {
   hdf5,                       // the HDF5 library reported an error
   materialization_forbidden,  // a full copy was asked for inside ForbidMaterialization
   collective,                 // another rank failed, or the process group broke
+  device,                     // a device or its runtime failed, or there is none (CUDA)
   internal,                   // anything else (out of memory, say), carried across ranks as text
 };
 

@@ -1,7 +1,7 @@
 // shardckpt.demo: the demo model of the command-line tool, the benchmark and the end-to-end
 // tests. GDP layers decoder.layers.0..N-1 and Mamba layers N..N+M-1, each with a fused in_proj and
 // conv1d, a row-parallel out_proj (TP on dim 1) and a replicated norm weight; common values and a
-// per-rank non-persistent value. Element i (row-major, flat, in its dataset) of every tensor is
+// per-rank non-persistent value; optionally Adam's state. Element i (row-major, flat, in its dataset) of every tensor is
 // (fnv1a32(key) + i) mod 2^24, exact in f32 and rounded to nearest even in bf16, so any rank at any
 // layout can build or check its own shard without seeing anyone else's.
 module;
@@ -54,23 +54,43 @@ std::uint32_t fnv1a32(std::string_view bytes) noexcept;
 // The pattern value of element `index` of the dataset `key`, as f32.
 float pattern(std::string_view key, std::uint64_t index) noexcept;
 
+// What a rank holds besides its parameters. With `adam`, every parameter has the companions
+// exp_avg, exp_avg_sq and fp32_param (f32, the parameter's layout, keys optimizer.state.<name>.<key>)
+// and the step and hyperparameters are common values. With `distributed` as well, each DP rank
+// holds only its flat range of each companion (Megatron's distributed optimizer).
+struct Training {
+  bool adam = false;
+  bool distributed = false;
+};
+inline constexpr std::string_view adam_states[] = {"exp_avg", "exp_avg_sq", "fp32_param"};
+
 // Every parameter of the model at TP degree `tp`.
 std::vector<ParamSpec> params(const ModelConfig& config, std::int64_t tp);
-// The bytes of every tensor of the model, as a checkpoint holds them.
-std::int64_t model_bytes(const ModelConfig& config);
+// The bytes of every tensor of the model (and its optimizer state), as a checkpoint holds them.
+std::int64_t model_bytes(const ModelConfig& config, const Training& training = {});
 
-// One rank's model: its padded shards (pattern in real rows, zeros in pad rows) and a state dict of
-// views into them. Moving a RankModel keeps the views valid: buffers own heap memory.
+// Where a rank's shards live: host, pinned host or device memory (for pinned and device memory,
+// the engine that allocates and moves it; pinned without one is locked host memory).
+struct Placement {
+  MemoryKind memory = MemoryKind::host;
+  CopyEngine* engine = nullptr;
+};
+
+// One rank's model: a state dict that owns its shards (pattern in real rows, zeros in pad rows).
 struct RankModel {
-  std::vector<HostBuffer> shards;
   StateDict state;
   std::int64_t shard_bytes = 0;
   std::int64_t pad_rows = 0;  // pad rows this rank holds (never saved)
 };
-RankModel build_rank(const ModelConfig& config, const Layout& layout, int rank);
-
+RankModel build_rank(const ModelConfig& config, const Layout& layout, int rank, const Training& training = {},
+                     Placement placement = {});
 // The load request of one rank: the same entries, without data.
-StateDict request(const ModelConfig& config, const Layout& layout, int rank);
+StateDict request(const ModelConfig& config, const Layout& layout, int rank, const Training& training = {});
+// A request's entries with the tensors of a load as their data.
+StateDict attach(const StateDict& request, const LoadedState& loaded);
+// A request's entries with shards to load into, in `placement`'s memory, every byte 0xff (so that a
+// load must write every one): what a trainer's model is to load_into.
+StateDict with_destinations(const StateDict& request, Placement placement = {});
 
 struct Verification {
   std::int64_t values = 0;    // elements compared
@@ -78,10 +98,15 @@ struct Verification {
   std::int64_t mismatches = 0;
   std::string first_mismatch;  // key, row and values of the first one
 };
-// Checks every loaded shard of `rank` against the pattern (real rows) and zero (pad rows).
-Verification verify_tensors(const ModelConfig& config, const Layout& layout, int rank, const LoadedState& loaded);
-// The same, and the common and local values of a demo load request.
-Verification verify(const ModelConfig& config, const Layout& layout, int rank, const LoadedState& loaded);
+// Checks every shard of `filled` (this rank's state dict after a load; device shards are copied to
+// the host through `engine`, one at a time) against the pattern (real rows, unless `pattern` is
+// false: a checkpoint the demo did not write) and zero (pad rows).
+Verification verify_tensors(const StateDict& filled, int rank, CopyEngine* engine = nullptr, bool pattern = true);
+// The same, and the values of a demo load request (common values saved with `training`, and local).
+Verification verify(const ModelConfig& config, const Training& training, int rank, const StateDict& filled,
+                    const Values& values, CopyEngine* engine = nullptr);
+Verification verify(const ModelConfig& config, const Training& training, int rank, const StateDict& request,
+                    const LoadedState& loaded);
 
 // The peak resident memory of this process so far (VmHWM), in bytes.
 std::int64_t peak_rss_bytes();

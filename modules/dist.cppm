@@ -5,7 +5,9 @@
 // rank its part of the checksum table and creates the file with every dataset at its global shape;
 // every rank writes its own pieces and their checksums concurrently, and rank 0 commits only when
 // every rank succeeded: every rank returns the same outcome. load() opens the checkpoint once per
-// rank and makes every rank agree on its id before anything is read.
+// rank and makes every rank agree on it before anything is read; data-parallel copies of a shard
+// read it once between them and hand each other the rows. A Saver keeps what repeated saves need
+// (a pool of pinned buffers for device shards, the memory of an async save, a private group).
 module;
 #include <cstddef>
 #include <cstdint>
@@ -19,6 +21,7 @@ module;
 export module shardckpt.dist;
 import shardckpt.core;
 import shardckpt.views;
+import shardckpt.engine;
 import shardckpt.format;
 import shardckpt.state;
 
@@ -30,18 +33,39 @@ class ProcessGroup {
   virtual int rank() const = 0;
   virtual int size() const = 0;
   virtual void barrier() = 0;
-  // Every rank's bytes, in rank order, on every rank.
-  virtual std::vector<std::vector<std::byte>> all_gather(std::span<const std::byte> mine) = 0;
-  // Every rank's bytes, in rank order, at `root` only (the others get nothing). A save sends its
-  // plans this way, so that only one rank ever holds them all; the default is an all_gather.
-  virtual std::vector<std::vector<std::byte>> gather(std::span<const std::byte> mine, int root) {
-    auto all = all_gather(mine);
-    if (rank() != root) all.clear();
-    return all;
-  }
-  // The root's bytes on every rank (other ranks' `bytes` are ignored).
+  // A new group of the members that pass the same `color`, ranked by `key` (collective).
+  virtual std::unique_ptr<ProcessGroup> split(int color, int key) = 0;
+  // In place: member i fills counts[i] consecutive rows of `rows` (in member order), and every
+  // member ends with all of them. No memory is allocated for the tensor; `rows` must be memory the
+  // group moves (host memory for threads and MPI, device memory for NCCL).
+  virtual void all_gather_rows(MutTensorView rows, std::span<const std::int64_t> counts) = 0;
+  // The root's bytes on every rank (other ranks' `bytes` are ignored): metadata.
   virtual std::vector<std::byte> broadcast(std::span<const std::byte> bytes, int root) = 0;
+  // Whether all_gather_rows can move memory of `space`.
+  virtual bool moves(MemorySpace space) const { return space.host_accessible(); }
+  // Whether a thread may run collectives on this group while other threads use other groups of
+  // the same process (what an async save does).
+  virtual bool supports_background() const { return true; }
+
+ protected:
+  // Every rank's bytes, in rank order, on every rank (or at `root` only), for the library's
+  // protocols: metadata, never tensors (gathering tensor bytes would build a full tensor).
+  virtual std::vector<std::vector<std::byte>> all_gather(std::span<const std::byte> mine) = 0;
+  virtual std::vector<std::vector<std::byte>> gather(std::span<const std::byte> mine, int root);
+  // The same on another group, for groups that wrap one (fault injection, logging).
+  static std::vector<std::vector<std::byte>> all_gather_of(ProcessGroup& g, std::span<const std::byte> mine) {
+    return g.all_gather(mine);
+  }
+  static std::vector<std::vector<std::byte>> gather_of(ProcessGroup& g, std::span<const std::byte> mine, int root) {
+    return g.gather(mine, root);
+  }
+  friend struct Protocol;
 };
+
+// Throws Errc::invalid_argument unless 0 <= root < size.
+void require_root(int root, int size);
+// Throws Errc::invalid_argument unless `counts` has one entry per member and adds up to `rows`.
+void require_row_counts(TensorView rows, std::span<const std::int64_t> counts, int size);
 
 // The group of one process alone.
 class SoloGroup final : public ProcessGroup {
@@ -49,12 +73,17 @@ class SoloGroup final : public ProcessGroup {
   int rank() const override { return 0; }
   int size() const override { return 1; }
   void barrier() override {}
-  std::vector<std::vector<std::byte>> all_gather(std::span<const std::byte> mine) override;
+  std::unique_ptr<ProcessGroup> split(int color, int key) override;
+  void all_gather_rows(MutTensorView rows, std::span<const std::int64_t> counts) override;
   std::vector<std::byte> broadcast(std::span<const std::byte> bytes, int root) override;
+
+ protected:
+  std::vector<std::vector<std::byte>> all_gather(std::span<const std::byte> mine) override;
 };
 
 // Ranks as threads of this process. Each rank uses its own endpoint, member(r). abort() makes
-// every waiting and later collective throw Errc::collective, as an engine does when a peer dies.
+// every waiting and later collective throw Errc::collective, in this group and the groups split from
+// it, as an engine does when a peer dies.
 class ThreadGroup {
  public:
   explicit ThreadGroup(int size);
@@ -66,9 +95,11 @@ class ThreadGroup {
   ProcessGroup& member(int rank) [[clang::lifetimebound]];
   void abort(const std::string& reason);
 
+  struct Shared;
+
  private:
-  struct State;
-  std::unique_ptr<State> state_;
+  std::shared_ptr<Shared> shared_;
+  std::vector<std::unique_ptr<ProcessGroup>> members_;
 };
 
 // Runs fn on `ranks` threads, one per rank of a fresh ThreadGroup. A rank that throws aborts the
@@ -90,6 +121,9 @@ struct SaveOptions {
   std::function<void(SavePhase)> on_phase = {};
   // Told, on the rank that wrote them, how many more bytes were written; must not throw.
   BytesDone progress = {};
+  // Pinned buffers through which shards in device memory are written (required for them; a Saver
+  // brings its own).
+  const StagingPool* staging = nullptr;
 };
 
 // Saves the state dicts of all ranks of `group` as one checkpoint at `path` (collective: every rank
@@ -100,9 +134,68 @@ void save(const StateDict& state, const std::filesystem::path& path, ProcessGrou
 void save(const StateDict& state, const std::filesystem::path& path, SaveOptions options = {});
 
 // Every rank loads its own part at its own layout, concurrently; every rank gets the same outcome.
-// Each rank opens the checkpoint once, and all ranks must have opened the same one (the same
-// checkpoint id): a path replaced between two ranks' opens is Errc::replaced, never a mix.
+// Each rank opens the checkpoint once, and all ranks must have opened the same one: a path replaced
+// between two ranks' opens is Errc::replaced, never a mix. With `replicas` (this rank's group of
+// data-parallel copies, ranked by replica id), the copies of a shard each read a share of its rows
+// from the file and receive the others' through the group: each byte is read once per group.
+Values load_into(const std::filesystem::path& path, const StateDict& state, ProcessGroup& group,
+                 LoadOptions options = {}, ProcessGroup* replicas = nullptr);
 LoadedState load(const std::filesystem::path& path, const StateDict& request, ProcessGroup& group,
-                 LoadOptions options = {});
+                 LoadOptions options = {}, ProcessGroup* replicas = nullptr);
+
+// A save that returns once its bytes are staged (Saver::save_async): wait() returns the collective
+// outcome, the same on every rank, or throws it.
+class AsyncSave {
+ public:
+  AsyncSave() = default;
+  AsyncSave(AsyncSave&&) noexcept;
+  AsyncSave& operator=(AsyncSave&&) noexcept;
+  ~AsyncSave();
+  void wait();
+  bool done() const;
+
+  struct State;
+
+ private:
+  friend class Saver;
+  explicit AsyncSave(std::shared_ptr<State> state) : state_(std::move(state)) {}
+  std::shared_ptr<State> state_;
+};
+
+struct SaverOptions {
+  // The engine of the device the shards live on; none for host memory only.
+  CopyEngine* engine = nullptr;
+  std::size_t staging_buffer_bytes = StagingPool::default_buffer_bytes;
+  int staging_buffers = 2;
+  // The memory async saves stage into; 0: as much as the first async save needs. It never grows:
+  // a later save that needs more fails.
+  std::size_t async_staging_bytes = 0;
+  SaveOptions save = {};
+};
+
+// Repeated saves of one rank (collective to make: every rank of the group makes one). It holds,
+// allocated once and reused: a pool of pinned buffers through which device shards stream to the
+// file (copying the next buffer while the current one is written), the pinned memory async saves
+// stage into (sized by the first, never grown), and a private copy of the group, so that a save in
+// the background never mixes its messages with the caller's collectives.
+class Saver {
+ public:
+  Saver(ProcessGroup& group, SaverOptions options = {});
+  Saver(const Saver&) = delete;
+  Saver& operator=(const Saver&) = delete;
+  ~Saver();
+
+  void save(const StateDict& state, const std::filesystem::path& path);
+  // Returns as soon as every byte this rank saves is in pinned host memory: the caller may then
+  // change its shards and train on. Writing, syncing and the commit continue in the background.
+  // One save in flight at a time (Errc::invalid_argument otherwise).
+  AsyncSave save_async(const StateDict& state, const std::filesystem::path& path);
+  // Pinned memory this saver holds: the pool and the async staging.
+  std::size_t staging_bytes() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 }  // namespace shardckpt

@@ -5,10 +5,13 @@ module;
 #include <mpi.h>
 
 #include <cstddef>
+#include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 export module shardckpt.dist.mpi;
 import shardckpt.core;
+import shardckpt.views;
 import shardckpt.dist;
 
 export namespace shardckpt {
@@ -24,11 +27,22 @@ class MpiGroup final : public ProcessGroup {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   void barrier() override;
+  // MPI_Comm_split of this group's communicator.
+  std::unique_ptr<ProcessGroup> split(int color, int key) override;
+  // MPI_Allgatherv in place, one row a datatype element.
+  void all_gather_rows(MutTensorView rows, std::span<const std::int64_t> counts) override;
+  std::vector<std::byte> broadcast(std::span<const std::byte> bytes, int root) override;
+  // Only when MPI runs at MPI_THREAD_MULTIPLE.
+  bool supports_background() const override;
+
+ protected:
   std::vector<std::vector<std::byte>> all_gather(std::span<const std::byte> mine) override;
   std::vector<std::vector<std::byte>> gather(std::span<const std::byte> mine, int root) override;
-  std::vector<std::byte> broadcast(std::span<const std::byte> bytes, int root) override;
 
  private:
+  struct Adopt {};
+  MpiGroup(MPI_Comm owned, Adopt);
+  void describe();
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0;
   int size_ = 1;

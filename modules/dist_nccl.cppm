@@ -3,11 +3,13 @@
 // through a device buffer; tensor data never travels through the group.
 module;
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <span>
 #include <vector>
 export module shardckpt.dist.nccl;
 import shardckpt.core;
+import shardckpt.views;
 import shardckpt.dist;
 
 export namespace shardckpt {
@@ -26,10 +28,18 @@ class NcclGroup final : public ProcessGroup {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   void barrier() override;
-  std::vector<std::vector<std::byte>> all_gather(std::span<const std::byte> mine) override;
+  // ncclCommSplit of this group's communicator, on the same device.
+  std::unique_ptr<ProcessGroup> split(int color, int key) override;
+  // One ncclBroadcast per member, in place, in one NCCL group: device memory of this group's device.
+  void all_gather_rows(MutTensorView rows, std::span<const std::int64_t> counts) override;
+  bool moves(MemorySpace space) const override;
   std::vector<std::byte> broadcast(std::span<const std::byte> bytes, int root) override;
 
+ protected:
+  std::vector<std::vector<std::byte>> all_gather(std::span<const std::byte> mine) override;
+
  private:
+  NcclGroup() = default;
   struct Impl;
   std::unique_ptr<Impl> impl_;
   int rank_ = 0;

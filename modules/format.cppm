@@ -46,10 +46,11 @@ struct ParamRecord {
 ParamRecord record_of(const ParamSpec& spec);
 ParamSpec spec_at_tp(const ParamRecord& record, std::int64_t tp);
 
-// Where one rank's piece sits in its dataset (local checkpoints keep it beside the data).
+// Where one rank's piece sits in its global dataset (local checkpoints keep it beside the data).
 struct PiecePlacement {
+  std::string key;  // the global dataset's key
   std::vector<std::int64_t> global_shape;
-  std::vector<std::int64_t> global_offset;
+  Box box;
   friend bool operator==(const PiecePlacement&, const PiecePlacement&) = default;
 };
 

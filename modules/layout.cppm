@@ -167,25 +167,42 @@ struct Box {
 
   constexpr bool empty() const noexcept { return rows.empty() || cols.empty(); }
   constexpr Box intersect(const Box& o) const noexcept { return {rows.intersect(o.rows), cols.intersect(o.cols)}; }
+  friend constexpr bool operator==(const Box&, const Box&) = default;
 };
 
+// The box of the slab at `offset` with extent `count` of a dataset of `global_shape`; throws
+// Errc::invalid_argument naming `key` when it leaves the dataset or splits a dim past dim 1 (only
+// dims 0 and 1 are ever split by TP and GTP).
+Box footprint(std::string_view key, std::span<const std::int64_t> global_shape, std::span<const std::int64_t> offset,
+              std::span<const std::int64_t> count);
+// The box of a whole dataset of `shape`: its rows by its flattened trailing elements.
+Box whole_box(std::span<const std::int64_t> shape);
+
 // One rank's claim on part of a dataset, as exchanged before a save: enough to check that all
-// ranks agree and that main replicas tile every dataset exactly once.
+// ranks agree and that the writers' boxes tile every dataset exactly once. A box may cover part of
+// a row (a distributed optimizer's flat range starts and ends anywhere).
 struct Claim {
   std::string key;
   DType dtype = DType::f32;
   std::vector<std::int64_t> global_shape;
-  std::vector<std::int64_t> global_offset;
-  std::vector<std::int64_t> count;
+  Box box;
   int rank = 0;
-  bool main_replica = true;
+  bool writes = true;  // false for a replica that holds the data but leaves writing it to others
 };
 
-// Footprint of a claim; throws Errc::invalid_argument when it leaves the dataset or splits a dim
-// past dim 1 (only dims 0 and 1 are ever split by TP and GTP).
-Box footprint(const Claim& claim);
-// The box of a whole dataset of `shape`: its rows by its flattened trailing elements.
-Box whole_box(std::span<const std::int64_t> shape);
+// Member `index` of `count`'s part of [0, n), when n is split as evenly as possible, in order.
+RowRange balanced_share(std::int64_t n, std::int64_t count, std::int64_t index);
+
+// Part of a piece that a flat range of its shard covers: `box` in the piece's dataset, whose first
+// element is element `range_offset` of the range.
+struct FlatPart {
+  Box box;
+  std::int64_t range_offset = 0;
+};
+// The boxes that the elements [range.begin, range.end) of a padded shard (flattened row by row,
+// `row_elems` elements a row) cover of `piece`: at most three (a partial first row, whole rows, a
+// partial last row), in order.
+std::vector<FlatPart> flat_parts(const Piece& piece, std::int64_t row_elems, RowRange range);
 // The elements of a box (rows x columns), checked.
 std::int64_t box_elements(const Box& box);
 
@@ -200,9 +217,10 @@ struct OwnedBox {
 std::vector<std::string> tiling_problems(std::string_view key, std::span<const OwnedBox> boxes, const Box& whole,
                                          std::string_view owner_noun, std::size_t limit = 16);
 
-// Checks the claims of all ranks together: per key one dtype and one global shape, and the main
-// replicas' boxes cover every element exactly once. Throws Errc::dtype_mismatch, shape_mismatch or
-// tiling with the key, the ranks and the rows involved.
+// Checks the claims of all ranks together: per key one dtype and one global shape, every box inside
+// its dataset, and the writers' boxes cover every element exactly once. Throws
+// Errc::dtype_mismatch, shape_mismatch, invalid_argument or tiling with the key, the ranks and the
+// rows involved.
 void validate_claims(std::span<const Claim> claims);
 
 }  // namespace shardckpt

@@ -4,6 +4,7 @@ export module shardckpt;
 export import shardckpt.core;
 export import shardckpt.layout;
 export import shardckpt.views;
+export import shardckpt.engine;
 export import shardckpt.format;
 export import shardckpt.state;
 export import shardckpt.dist;

@@ -1,17 +1,20 @@
 // shardckpt.state: state dicts and their save and load planning. A state dict holds sharded tensors,
 // GTP-sharded parameters (factories: expanded into views of their shard's rows on save, merged back
-// into a padded shard on load), common values and local non-persistent values. prepare_save turns a
-// state dict into writes without copying a byte; a load reads each piece straight into its rows of
-// the destination shard, takes each padding-only rank's placeholder from the request as a local
-// value, and only then merges every factory against the complete loaded tree (loaded shards,
-// common values, local values), on the global path and the per-rank local path alike.
+// into a padded shard on load), common values and local non-persistent values; the tensors are
+// TensorRefs, which keep memory the library allocated alive or say that they borrow.
+// prepare_save turns a state dict into writes without copying a byte: replicas of one shard each
+// write a balanced share, and a distributed optimizer's rank writes its flat range of the shard.
+// load_into reads each piece straight into its destination rows, where they are (host, or device
+// through a pool of pinned buffers), takes each padding-only rank's placeholder from the request as
+// a local value, and only then merges every factory against the complete loaded tree (loaded
+// shards, common values, local values), on the global path and the per-rank local path alike.
 // Nothing here knows about ranks beyond the state dict it is given: coordination lives in dist.
 module;
 #include <cstdint>
 #include <filesystem>
 #include <functional>
-#include <optional>
 #include <map>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -21,41 +24,67 @@ export module shardckpt.state;
 import shardckpt.core;
 import shardckpt.layout;
 import shardckpt.views;
+import shardckpt.engine;
 import shardckpt.format;
 
 export namespace shardckpt {
 
-// A shard of a tensor under its global key. On save `data` is the shard; in a load request only
-// dtype and shape matter and `data` stays empty.
+// A shard of a tensor under its global key. On save `data` holds the shard; in a load request it
+// is the destination that load_into fills, or empty for load() to allocate.
 struct ShardedTensor {
   std::string key;
   DType dtype = DType::f32;
   Extents shape;
   std::vector<std::int64_t> global_shape;
   std::vector<std::int64_t> global_offset;
-  int replica_id = 0;  // only replica 0 (the main replica) writes
-  TensorView data;
+  int replica_id = 0;  // which of `replicas` data-parallel copies of this shard this is
+  int replicas = 1;    // each copy writes a balanced share of its rows (and reads one, see LoadOptions)
+  TensorRef data;
 
-  static ShardedTensor of(std::string key, TensorView data, std::vector<std::int64_t> global_shape,
-                          std::vector<std::int64_t> global_offset, int replica_id = 0);
+  static ShardedTensor of(std::string key, TensorRef data, std::vector<std::int64_t> global_shape,
+                          std::vector<std::int64_t> global_offset, int replica_id = 0, int replicas = 1);
   static ShardedTensor expect(std::string key, DType dtype, Extents shape, std::vector<std::int64_t> global_shape,
-                              std::vector<std::int64_t> global_offset);
+                              std::vector<std::int64_t> global_offset, int replica_id = 0, int replicas = 1);
 };
 
-// A GTP-sharded parameter as one rank holds it: the factory of SPEC.md. `shard` is the padded
-// shard of shard_shape() rows (pad rows zero); empty in a load request.
+// Elements [begin, end) of a padded shard flattened row by row: the part of a parameter that one
+// data-parallel rank of a distributed optimizer owns (as Megatron's distributed optimizer does).
+struct FlatRange {
+  std::int64_t begin = 0;
+  std::int64_t end = 0;
+};
+
+// A GTP-sharded parameter as one rank holds it: the factory of SPEC.md. `shard` is the padded shard
+// (pad rows zero), or with `flat` the 1-D tensor of that range of it.
 struct ShardedParam {
   ParamSpec spec;
   std::int64_t gtp = 1;
   std::int64_t align = 0;
   ShardCoord coord;
   DType dtype = DType::f32;
-  int replica_id = 0;  // data-parallel replica: only replica 0 writes
-  TensorView shard;
+  int replica_id = 0;  // which of `replicas` data-parallel copies of this shard this is
+  int replicas = 1;    // each copy writes a balanced share of the shard's real rows
+  std::optional<FlatRange> flat = {};
+  TensorRef shard = {};
 
   GtpGeometry geometry() const { return GtpGeometry::make(spec.rows(), gtp, align); }
+  // (L, trailing...): the whole padded shard.
+  Extents padded_shape() const;
+  // What `shard` holds: the padded shard, or the flat range's elements as a 1-D tensor.
   Extents shard_shape() const;
 };
+
+// The flat range of `rank` of `ranks` data-parallel ranks of a distributed optimizer: a balanced,
+// contiguous share of the padded shard's elements.
+FlatRange distributed_range(const ShardedParam& param, int rank, int ranks);
+
+// The prefix of optimizer state keys.
+inline constexpr std::string_view optimizer_state_prefix = "optimizer.state.";
+
+// The companion of a parameter that holds optimizer state `name` (exp_avg, exp_avg_sq, fp32_param):
+// the same layout (sections, TP split, GTP padding, flat range) under the key
+// optimizer.state.<name>.<parameter key>, in `dtype`, without data.
+ShardedParam optimizer_state(const ShardedParam& param, std::string_view name, DType dtype);
 
 class StateDict {
  public:
@@ -80,14 +109,14 @@ class StateDict {
   std::map<std::string, int, std::less<>> keys_;
 };
 
-// One write of a save: a view and the slab it fills.
+// One write of a save: a view and the box of its dataset it fills (rows by flattened trailing
+// elements; one row of the view per row of the box).
 struct SaveItem {
   std::string key;
   DType dtype = DType::f32;
   std::vector<std::int64_t> global_shape;
-  std::vector<std::int64_t> global_offset;
-  std::vector<std::int64_t> count;
-  bool main_replica = true;
+  Box box;
+  bool writes = true;  // false for a TP replica of a replicated weight: TP rank 0 writes it
   TensorView data;
 };
 
@@ -104,24 +133,30 @@ struct SavePlan {
 SavePlan prepare_save(const StateDict& state);
 // The claims of one rank, for validate_claims.
 std::vector<Claim> claims_of(const SavePlan& plan, int rank);
-// Writes this rank's main-replica items, in order, into a skeleton whose datasets are `datasets`.
-void write_items(const SavePlan& plan, std::span<const DatasetInfo> datasets, PieceWriter& writer);
+// Writes this rank's items, in order, into a skeleton whose datasets are `datasets`. Items in device
+// memory go through `staging`: while one buffer's rows are written, the engine copies the next.
+void write_items(const SavePlan& plan, std::span<const DatasetInfo> datasets, PieceWriter& writer,
+                 const StagingPool* staging = nullptr);
 
-// A loaded state: tensors this rank owns now, and values.
+// Values of a load: the checkpoint's common values and the request's local values.
+using Values = std::map<std::string, CommonValue, std::less<>>;
+
+// A loaded state: tensors this rank owns now (host memory), and values.
 class LoadedState {
  public:
-  using Entry = std::variant<HostBuffer, CommonValue>;
-  explicit LoadedState(std::map<std::string, Entry, std::less<>> entries) : entries_(std::move(entries)) {}
+  LoadedState(std::map<std::string, SharedBuffer, std::less<>> tensors, Values values)
+      : tensors_(std::move(tensors)), values_(std::move(values)) {}
 
-  bool contains(std::string_view key) const { return entries_.contains(key); }
+  bool contains(std::string_view key) const { return tensors_.contains(key) || values_.contains(key); }
   std::vector<std::string> keys() const;
   // Throws Errc::missing_key when absent or not a tensor (value).
-  const HostBuffer& tensor(std::string_view key) const [[clang::lifetimebound]];
-  HostBuffer take_tensor(std::string_view key);
+  const SharedBuffer& tensor(std::string_view key) const [[clang::lifetimebound]];
   const CommonValue& value(std::string_view key) const [[clang::lifetimebound]];
+  const Values& values() const noexcept [[clang::lifetimebound]] { return values_; }
 
  private:
-  std::map<std::string, Entry, std::less<>> entries_;
+  std::map<std::string, SharedBuffer, std::less<>> tensors_;
+  Values values_;
 };
 
 struct LoadOptions {
@@ -137,16 +172,42 @@ struct LoadOptions {
   std::string expect_id = {};
   // Told, on the rank that reads them, how many more bytes were read (progress reports).
   BytesDone progress = {};
+  // Pinned buffers through which destinations in device memory are filled (required for them).
+  const StagingPool* staging = nullptr;
+  // Each data-parallel copy of a shard reads only its share of the rows; the others arrive through
+  // the replicas' process group (dist's load sets this when it has one).
+  bool read_own_share = false;
 };
 
-// Loads this rank's part of a global checkpoint at the request's layout (any TP, GTP, alignment).
-// Throws Errc::missing_key, shape_mismatch, dtype_mismatch, not_a_checkpoint or corrupt, changing
-// nothing.
+// Fills the tensors of `state` where they are (host or device memory): each piece straight into its
+// destination rows, pad rows zeroed in place, a padding-only rank's shard zero-filled. Allocates
+// nothing proportional to the model. Returns the common and local values. Throws
+// Errc::missing_key, shape_mismatch, dtype_mismatch, not_a_checkpoint or corrupt.
+Values load_into(const CheckpointReader& reader, const StateDict& state, LoadOptions options = {});
+Values load_into(const std::filesystem::path& path, const StateDict& state, LoadOptions options = {});
+// Loads this rank's part of a global checkpoint at the request's layout (any TP, GTP, alignment)
+// into host memory it allocates (what load_into then fills). A ShardedTensor asked for at its global
+// shape is a whole tensor: counted as a materialization.
 LoadedState load(const std::filesystem::path& path, const StateDict& request, LoadOptions options = {});
-// The same from a checkpoint already open (a collective load opens it once per rank).
 LoadedState load(const CheckpointReader& reader, const StateDict& request, LoadOptions options = {});
-// Tells LoadOptions::notice (or standard error) that the checkpoint predates checksums, if it does.
+// Tells LoadOptions::notice (or standard error) that the checkpoint's bytes or metadata are read
+// unchecked, if they are.
 void notice_unchecked(const CheckpointReader& reader, const LoadOptions& options);
+
+// The rows the data-parallel copies of one shard hand each other after a load that split its reads
+// (LoadOptions::read_own_share): `rows` holds data, replica i read counts[i] of them, in order.
+struct ReplicaRows {
+  MutTensorView rows;
+  std::vector<std::int64_t> counts;
+};
+std::vector<ReplicaRows> replica_rows(const StateDict& state);
+
+// The request's host-memory twin: the same entries with destinations that load() allocates.
+struct Allocated {
+  StateDict state;
+  std::map<std::string, SharedBuffer, std::less<>> buffers;
+};
+Allocated allocate_destinations(const StateDict& request);
 
 // Where one rank sits in the layout a tool loads a checkpoint at.
 struct LoadLayout {
@@ -155,6 +216,10 @@ struct LoadLayout {
   std::int64_t align = 0;
   ShardCoord coord;
   int replica_id = 0;
+  int replicas = 1;
+  // Optimizer state (keys optimizer.state.*) in each DP rank's flat range (distributed_range), as a
+  // distributed optimizer holds it.
+  bool distributed_optimizer = false;
 };
 // The load request of one rank for every tensor of a global checkpoint, from the checkpoint's own
 // records: each parameter record planned at the layout's TP, GTP and alignment; every dataset no
@@ -167,5 +232,6 @@ StateDict request_all(const CheckpointReader& reader, const LoadLayout& layout);
 // the file: the load rebuilds their placeholders from the request.
 void save_local(const StateDict& state, const std::filesystem::path& path, IoMethod method = IoMethod::direct);
 LoadedState load_local(const std::filesystem::path& path, const StateDict& request, LoadOptions options = {});
+Values load_local_into(const std::filesystem::path& path, const StateDict& state, LoadOptions options = {});
 
 }  // namespace shardckpt

@@ -1,14 +1,20 @@
-// shardckpt.views: who owns tensor memory, and how others look at it without owning it.
-// HostBuffer owns (move-only, aligned, copied only by an explicit deep_copy); TensorView and
-// MutTensorView look (tiny values, never allocate, never own, never become owners implicitly).
-// Turning a view into a new owner is `materialize`, the one counted copy, which a save forbids
-// with ForbidMaterialization. This module does no I/O.
+// shardckpt.views: who owns tensor memory, where it lives, and how others look at it without owning it.
+// A view knows its memory space: host (pageable), pinned host, or a device; device bytes are never
+// read or written on the host (they move only through a CopyEngine, shardckpt.engine).
+// HostBuffer owns (move-only, aligned, copied only by an explicit deep_copy); SharedBuffer shares
+// ownership of memory the library allocated; TensorView and MutTensorView look (tiny values, never
+// allocate, never own, never become owners implicitly). What a state dict holds is a TensorRef:
+// shared ownership, or a borrow whose name says nothing checks it.
+// Turning a view into a new owner is `materialize`, the one counted copy, which a save forbids with
+// ForbidMaterialization. This module does no I/O.
 module;
 #include <array>
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#include <memory>
 #include <span>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -20,7 +26,7 @@ export namespace shardckpt {
 inline constexpr int max_rank = 8;
 
 // A shape of rank 1..max_rank held inline, so views carry it without allocating. Dim 0 is rows;
-// the trailing dims are contiguous within a row.
+// the trailing dims are contiguous within a row. Its element count always fits int64.
 class Extents {
  public:
   constexpr Extents() = default;
@@ -36,9 +42,10 @@ class Extents {
     return n;
   }
   constexpr std::int64_t elements() const noexcept { return rows() * row_elems(); }
-  constexpr Extents with_rows(std::int64_t rows) const noexcept {
+  constexpr Extents with_rows(std::int64_t rows) const {
     Extents e = *this;
     e.dims_[0] = rows;
+    e.check();
     return e;
   }
   constexpr std::span<const std::int64_t> dims() const noexcept [[clang::lifetimebound]] {
@@ -53,14 +60,36 @@ class Extents {
     // Plain throws, not require(): a constant expression may not call a non-constexpr function.
     if (dims.size() < 1 || dims.size() > max_rank)
       throw Error(Errc::invalid_argument, cat("tensor rank ", dims.size(), " is outside [1, ", max_rank, "]"));
-    for (std::int64_t d : dims) {
-      if (d < 0) throw Error(Errc::invalid_argument, cat("tensor dims must be >= 0 (got ", d, ")"));
-      dims_[rank_++] = d;
+    for (std::int64_t d : dims) dims_[rank_++] = d;
+    check();
+  }
+  constexpr void check() const {
+    std::int64_t n = 1;
+    for (int i = 0; i < rank_; ++i) {
+      if (dims_[i] < 0) throw Error(Errc::invalid_argument, cat("tensor dims must be >= 0 (got ", dims_[i], ")"));
+      if (__builtin_mul_overflow(n, dims_[i], &n))
+        throw Error(Errc::invalid_argument, "a tensor shape whose element count overflows 64 bits");
     }
   }
   std::array<std::int64_t, max_rank> dims_{};
   int rank_ = 0;
 };
+
+// Where a tensor's bytes are: the host's pageable memory, host memory pinned for fast copies to
+// and from a device, or the memory of device `device` (a CUDA device, or an emulated one).
+enum class MemoryKind : std::uint8_t { host, pinned, device };
+
+struct MemorySpace {
+  MemoryKind kind = MemoryKind::host;
+  int device = -1;
+
+  static constexpr MemorySpace host() noexcept { return {}; }
+  static constexpr MemorySpace pinned() noexcept { return {MemoryKind::pinned, -1}; }
+  static constexpr MemorySpace on_device(int id) noexcept { return {MemoryKind::device, id}; }
+  constexpr bool host_accessible() const noexcept { return kind != MemoryKind::device; }
+  friend constexpr bool operator==(MemorySpace, MemorySpace) = default;
+};
+std::string memory_space_text(MemorySpace space);
 
 // A row-major tensor someone else owns. `Mutable` selects TensorView (read-only) or MutTensorView.
 template <bool Mutable>
@@ -70,18 +99,22 @@ class BasicView {
   using pointer = std::conditional_t<Mutable, void*, const void*>;
 
   constexpr BasicView() noexcept = default;
-  // Borrows memory the caller owns and keeps alive (a framework's tensor, a pinned buffer).
-  static BasicView borrow(pointer data, DType dtype, Extents shape) noexcept {
-    return BasicView(static_cast<byte_type*>(data), dtype, shape);
+  // Looks at memory the caller owns and keeps alive (a framework's tensor, a pinned buffer). A
+  // view does not keep anything alive: see TensorRef for what a state dict holds.
+  static BasicView borrow(pointer data, DType dtype, Extents shape, MemorySpace space = MemorySpace::host()) noexcept {
+    return BasicView(static_cast<byte_type*>(data), dtype, shape, space);
   }
   operator BasicView<false>() const noexcept
     requires Mutable
   {
-    return BasicView<false>::borrow(data_, dtype_, shape_);
+    return BasicView<false>::borrow(data_, dtype_, shape_, space_);
   }
 
+  // The address of the first element, in the view's memory space: for a device, not an address
+  // the host may dereference.
   constexpr byte_type* data() const noexcept { return data_; }
   constexpr DType dtype() const noexcept { return dtype_; }
+  constexpr MemorySpace space() const noexcept { return space_; }
   constexpr const Extents& shape() const noexcept [[clang::lifetimebound]] { return shape_; }
   constexpr std::int64_t rows() const noexcept { return shape_.rows(); }
   constexpr std::size_t row_bytes() const noexcept {
@@ -94,28 +127,44 @@ class BasicView {
   constexpr BasicView rows(std::int64_t lo, std::int64_t hi) const {
     if (lo < 0 || lo > hi || hi > rows())
       throw Error(Errc::invalid_argument, cat("rows [", lo, ", ", hi, ") are outside a view of ", rows(), " rows"));
-    return BasicView(data_ + static_cast<std::size_t>(lo) * row_bytes(), dtype_, shape_.with_rows(hi - lo));
+    return BasicView(data_ + static_cast<std::size_t>(lo) * row_bytes(), dtype_, shape_.with_rows(hi - lo), space_);
   }
 
-  // The elements as T. Throws Errc::dtype_mismatch unless T is the view's dtype.
+  // The elements as T, for host memory. Throws Errc::dtype_mismatch unless T is the view's dtype,
+  // Errc::invalid_argument for device memory (which moves only through a CopyEngine).
   template <Element T>
   std::span<std::conditional_t<Mutable, T, const T>> as() const {
     require(dtype_v<T> == dtype_, Errc::dtype_mismatch, "a ", dtype_name(dtype_), " view read as ",
             dtype_name(dtype_v<T>));
+    require(space_.host_accessible(), Errc::invalid_argument, "the elements of a view of ",
+            memory_space_text(space_), " memory cannot be read on the host: copy them with a CopyEngine");
     using E = std::conditional_t<Mutable, T, const T>;
     return {reinterpret_cast<E*>(data_), static_cast<std::size_t>(shape_.elements())};
   }
 
  private:
-  constexpr BasicView(byte_type* data, DType dtype, Extents shape) noexcept
-      : data_(data), dtype_(dtype), shape_(shape) {}
+  template <bool>
+  friend class BasicView;
+  constexpr BasicView(byte_type* data, DType dtype, Extents shape, MemorySpace space) noexcept
+      : data_(data), dtype_(dtype), shape_(shape), space_(space) {}
   byte_type* data_ = nullptr;
   DType dtype_ = DType::f32;
   Extents shape_;
+  MemorySpace space_;
 };
 
 using TensorView = BasicView<false>;
 using MutTensorView = BasicView<true>;
+
+// Tensor memory this process allocated through the library, for tests that count it: HostBuffer,
+// SharedBuffer and pinned or device buffers of a CopyEngine.
+struct BufferStats {
+  std::uint64_t allocations = 0;
+  std::uint64_t bytes = 0;
+};
+BufferStats buffer_stats() noexcept;
+// For engines: counts an allocation of their own.
+void count_allocation(std::size_t bytes) noexcept;
 
 // Owns an aligned host allocation of one dtype and shape. Move-only: the only copy is deep_copy().
 class HostBuffer {
@@ -162,12 +211,86 @@ class HostBuffer {
   Extents shape_{0};
 };
 
-// Copies a view into a new owner: the only way a full tensor comes into being. Counted; throws
-// Errc::materialization_forbidden while a ForbidMaterialization is alive on this thread.
+// Shared ownership of tensor memory the library allocated (host, pinned or device): copies share
+// it, and it lives while any copy, or any TensorRef made from one, does.
+class SharedBuffer {
+ public:
+  SharedBuffer() = default;
+  // Host memory, counted like a HostBuffer.
+  static SharedBuffer zeros(DType dtype, Extents shape);
+  static SharedBuffer uninitialized(DType dtype, Extents shape);
+  // Takes over a HostBuffer.
+  explicit SharedBuffer(HostBuffer&& owner);
+  // Memory of any space whose lifetime `owner` holds (an engine's pinned or device allocation).
+  SharedBuffer(std::shared_ptr<void> owner, MutTensorView view) noexcept : owner_(std::move(owner)), view_(view) {}
+
+  TensorView view() const& [[clang::lifetimebound]] { return view_; }
+  MutTensorView mut_view() const& [[clang::lifetimebound]] { return view_; }
+  // A view of a temporary: the last owner could go with the statement.
+  TensorView view() const&& = delete;
+  MutTensorView mut_view() const&& = delete;
+
+  DType dtype() const noexcept { return view_.dtype(); }
+  MemorySpace space() const noexcept { return view_.space(); }
+  const Extents& shape() const noexcept [[clang::lifetimebound]] { return view_.shape(); }
+  std::size_t bytes() const noexcept { return view_.bytes(); }
+  explicit operator bool() const noexcept { return owner_ != nullptr; }
+  // The first bytes of the same memory as a tensor of `dtype` and `shape`, sharing ownership (a
+  // pinned byte buffer seen as a shard). Throws Errc::invalid_argument when they do not fit.
+  SharedBuffer retyped(DType dtype, Extents shape) const;
+
+ private:
+  friend class TensorRef;
+  std::shared_ptr<void> owner_;
+  MutTensorView view_;
+};
+
+// The tensor memory a state dict refers to. Either shared ownership (from a SharedBuffer: the state
+// dict keeps the memory alive), or a borrow of memory someone else keeps alive, such as a
+// framework's tensor: unchecked_borrow says so in its name, because nothing can check it. A plain
+// view does not convert to a TensorRef.
+class TensorRef {
+ public:
+  TensorRef() = default;
+  TensorRef(SharedBuffer buffer) noexcept
+      : keep_(std::move(buffer.owner_)), view_(buffer.view_), writable_(true), set_(true) {}
+  friend TensorRef unchecked_borrow(MutTensorView view) noexcept;
+  friend TensorRef unchecked_borrow(TensorView view) noexcept;
+
+  TensorView view() const& [[clang::lifetimebound]] { return view_; }
+  // For loads into the memory; throws Errc::invalid_argument for a read-only borrow.
+  MutTensorView mut_view() const& [[clang::lifetimebound]];
+  TensorView view() const&& = delete;
+  MutTensorView mut_view() const&& = delete;
+
+  // False for a default-constructed TensorRef (a load request's entries carry none).
+  explicit operator bool() const noexcept { return set_; }
+  DType dtype() const noexcept { return view_.dtype(); }
+  MemorySpace space() const noexcept { return view_.space(); }
+  const Extents& shape() const noexcept [[clang::lifetimebound]] { return view_.shape(); }
+  // True when the state dict keeps the memory alive (not a borrow).
+  bool owning() const noexcept { return keep_ != nullptr; }
+
+ private:
+  TensorRef(MutTensorView view, bool writable) noexcept : view_(view), writable_(writable), set_(true) {}
+  std::shared_ptr<void> keep_;
+  MutTensorView view_;
+  bool writable_ = false;
+  bool set_ = false;
+};
+
+TensorRef unchecked_borrow(MutTensorView view) noexcept;
+TensorRef unchecked_borrow(TensorView view) noexcept;
+
+// Copies a host view into a new owner: the only way a full tensor comes into being. Counted;
+// throws Errc::materialization_forbidden while a ForbidMaterialization is alive on this thread.
 HostBuffer materialize(TensorView view);
 // The same for several views stacked row-wise (an all-gather's result): one counted materialization.
 // \requires the views share dtype and row shape.
 HostBuffer materialize(std::span<const TensorView> parts);
+// Counts a whole tensor of `bytes` that something else builds (a load asked for a tensor at its
+// global shape), or throws Errc::materialization_forbidden naming `what`.
+void count_materialization(std::string_view what, std::size_t bytes);
 // Materializations so far in this process (all threads).
 std::uint64_t materialization_count() noexcept;
 

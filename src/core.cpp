@@ -35,6 +35,8 @@ std::string_view errc_name(Errc code) noexcept {
       return "hdf5";
     case Errc::materialization_forbidden:
       return "materialization_forbidden";
+    case Errc::device:
+      return "device";
     case Errc::collective:
       return "collective";
     case Errc::internal:

@@ -8,6 +8,7 @@ module;
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <utility>
 #include <variant>
 #include <vector>
 module shardckpt.demo;
@@ -115,8 +116,99 @@ namespace {
 
 constexpr std::int64_t iteration = 1000;
 
-ShardedParam param_entry(const ParamSpec& spec, const ModelConfig& config, const Layout& layout, RankCoord c) {
-  return {spec, layout.gtp, layout.align, {c.tp, c.gtp}, config.dtype, c.dp, {}};
+// Adam's hyperparameters, saved as common values with the step.
+const std::pair<std::string_view, double> adam_hyper[] = {
+    {"optimizer.lr", 3e-4}, {"optimizer.beta1", 0.9}, {"optimizer.beta2", 0.95}, {"optimizer.eps", 1e-8},
+    {"optimizer.weight_decay", 0.1}};
+
+// The entries of one rank: every parameter (copies across DP write and read balanced shares) and,
+// with Adam, its three f32 companions (whole shards, or each DP rank's flat range).
+std::vector<ShardedParam> entries(const ModelConfig& config, const Layout& layout, RankCoord c, const Training& t) {
+  std::vector<ShardedParam> out;
+  for (const ParamSpec& spec : params(config, layout.tp)) {
+    ShardedParam p{spec, layout.gtp, layout.align, {c.tp, c.gtp}, config.dtype};
+    p.replica_id = c.dp;
+    p.replicas = layout.dp;
+    out.push_back(p);
+  }
+  if (!t.adam) return out;
+  const std::size_t n = out.size();
+  for (std::string_view name : adam_states)
+    for (std::size_t i = 0; i < n; ++i) {
+      ShardedParam s = optimizer_state(out[i], name, DType::f32);
+      if (t.distributed) {
+        s.flat = distributed_range(s, c.dp, layout.dp);
+        s.replica_id = 0;
+        s.replicas = 1;
+      }
+      out.push_back(std::move(s));
+    }
+  return out;
+}
+
+// Calls fn(flat offset in the shard, elements, pattern seed of the first) for every run of real
+// elements a shard holds, and returns the elements of the shard that are padding: [pad_begin, end).
+struct Runs {
+  std::int64_t pad_begin = 0, pad_end = 0;
+};
+template <class Fn>
+Runs for_each_run(const ShardedParam& p, Fn&& fn) {
+  const RankPlan plan = plan_rank(p.spec, p.gtp, p.align, p.coord);
+  const std::int64_t real = plan.real_rows * plan.row_elems;
+  if (!p.flat) {
+    for_each_row(plan, [&](const Piece& piece, std::int64_t r, std::uint64_t seed, std::int64_t n) {
+      fn((piece.shard_row + r) * n, n, seed);
+    });
+    return {real, p.padded_shape().elements()};
+  }
+  for (const Piece& piece : plan.pieces) {
+    const std::uint64_t hash = fnv1a32(piece.key);
+    const std::int64_t width = element_count(std::span(piece.global_shape).subspan(1));
+    for (const FlatPart& part : flat_parts(piece, plan.row_elems, {p.flat->begin, p.flat->end}))
+      for (std::int64_t r = part.box.rows.begin; r < part.box.rows.end; ++r)
+        fn(part.range_offset + (r - part.box.rows.begin) * part.box.cols.size(), part.box.cols.size(),
+           hash + static_cast<std::uint64_t>(r * width + part.box.cols.begin));
+  }
+  return {std::clamp(real, p.flat->begin, p.flat->end) - p.flat->begin, p.flat->end - p.flat->begin};
+}
+
+template <class T>
+void fill(MutTensorView shard, std::int64_t at, std::int64_t n, std::uint64_t seed) {
+  for (T& out : shard.as<T>().subspan(static_cast<std::size_t>(at), static_cast<std::size_t>(n)))
+    out = stored<T>(pattern_value(seed++));
+}
+
+// Memory for a shard in `placement`'s memory, its bytes unset.
+SharedBuffer allocate(DType dtype, const Extents& shape, const Placement& placement) {
+  const std::size_t bytes = static_cast<std::size_t>(shape.elements()) * dtype_size(dtype);
+  switch (placement.memory) {
+    case MemoryKind::host:
+      return SharedBuffer::uninitialized(dtype, shape);
+    case MemoryKind::pinned:
+      return (placement.engine ? placement.engine->allocate_pinned(bytes) : allocate_locked(bytes)).retyped(dtype, shape);
+    case MemoryKind::device:
+      require(placement.engine != nullptr, Errc::invalid_argument, "device shards need a CopyEngine");
+      return placement.engine->allocate_device(dtype, shape);
+  }
+  return {};
+}
+
+// Puts `host` (a shard built on the host) where `to` lives.
+void place(TensorView host, const SharedBuffer& to, const Placement& placement) {
+  if (to.space().host_accessible()) {
+    if (!host.empty()) std::memcpy(to.mut_view().data(), host.data(), host.bytes());
+    return;
+  }
+  placement.engine->copy_to_device(host, to.mut_view());
+  placement.engine->wait(placement.engine->fence());
+}
+
+// A shard of `shape` in `placement`'s memory holding the bytes of `host`.
+SharedBuffer placed(HostBuffer host, const Placement& placement) {
+  if (placement.memory == MemoryKind::host) return SharedBuffer(std::move(host));
+  SharedBuffer b = allocate(host.dtype(), host.shape(), placement);
+  place(host.view(), b, placement);
+  return b;
 }
 
 }  // namespace
@@ -182,90 +274,143 @@ std::vector<ParamSpec> params(const ModelConfig& c, std::int64_t tp) {
   return out;
 }
 
-std::int64_t model_bytes(const ModelConfig& config) {
+std::int64_t model_bytes(const ModelConfig& config, const Training& training) {
+  // Adam keeps three f32 companions of every element.
+  const std::int64_t element_bytes =
+      static_cast<std::int64_t>(dtype_size(config.dtype)) + (training.adam ? 3 * std::int64_t{sizeof(float)} : 0);
   std::int64_t n = 0;
   for (const ParamSpec& spec : params(config, 1))
     for (const Block& b : blocks(spec))
-      n = checked_add(n, checked_mul(element_count(b.global_shape), static_cast<std::int64_t>(dtype_size(config.dtype)),
-                                     "model bytes"),
-                      "model bytes");
+      n = checked_add(n, checked_mul(element_count(b.global_shape), element_bytes, "model bytes"), "model bytes");
   return n;
 }
 
-RankModel build_rank(const ModelConfig& config, const Layout& layout, int rank) {
-  const RankCoord c = coord_of(layout, rank);
+RankModel build_rank(const ModelConfig& config, const Layout& layout, int rank, const Training& training,
+                     Placement placement) {
   RankModel m;
-  for (const ParamSpec& spec : params(config, layout.tp)) {
-    ShardedParam entry = param_entry(spec, config, layout, c);
-    const RankPlan plan = plan_rank(spec, layout.gtp, layout.align, {c.tp, c.gtp});
-    HostBuffer shard = HostBuffer::zeros(config.dtype, entry.shard_shape());
-    const MutTensorView rows = shard.mut_view();
-    for_each_row(plan, [&](const Piece& p, std::int64_t r, std::uint64_t seed, std::int64_t) {
-      const MutTensorView row = rows.rows(p.shard_row + r, p.shard_row + r + 1);
-      config.dtype == DType::f32 ? fill_row<float>(row, seed) : fill_row<bf16>(row, seed);
+  for (ShardedParam p : entries(config, layout, coord_of(layout, rank), training)) {
+    HostBuffer host = HostBuffer::zeros(p.dtype, p.shard_shape());
+    const MutTensorView view = host.mut_view();
+    const Runs runs = for_each_run(p, [&](std::int64_t at, std::int64_t n, std::uint64_t seed) {
+      p.dtype == DType::f32 ? fill<float>(view, at, n, seed) : fill<bf16>(view, at, n, seed);
     });
-    entry.shard = shard.view();
-    m.shard_bytes += static_cast<std::int64_t>(shard.bytes());
-    m.pad_rows += plan.geometry.shard_rows() - plan.real_rows;
-    m.shards.push_back(std::move(shard));
-    m.state.add(std::move(entry));
+    if (!p.flat) m.pad_rows += (runs.pad_end - runs.pad_begin) / std::max<std::int64_t>(1, view.shape().row_elems());
+    m.shard_bytes += static_cast<std::int64_t>(view.bytes());
+    p.shard = placed(std::move(host), placement);
+    m.state.add(std::move(p));
   }
   m.state.add_common("iteration", iteration);
   m.state.add_common("model_config", config_json(config));
+  if (training.adam) {
+    m.state.add_common("optimizer.step", iteration);
+    for (const auto& [key, value] : adam_hyper) m.state.add_common(std::string(key), value);
+  }
   m.state.add_local("rank_seed", std::int64_t{rank});
   return m;
 }
 
-StateDict request(const ModelConfig& config, const Layout& layout, int rank) {
-  const RankCoord c = coord_of(layout, rank);
+StateDict request(const ModelConfig& config, const Layout& layout, int rank, const Training& training) {
   StateDict out;
-  for (const ParamSpec& spec : params(config, layout.tp)) out.add(param_entry(spec, config, layout, c));
+  for (ShardedParam& p : entries(config, layout, coord_of(layout, rank), training)) out.add(std::move(p));
   out.add_local("rank_seed", std::int64_t{rank});
   return out;
 }
 
-Verification verify_tensors(const ModelConfig& config, const Layout& layout, int rank, const LoadedState& loaded) {
-  const RankCoord c = coord_of(layout, rank);
+namespace {
+
+// The entries of `request` with data(key, dtype, shape) as their tensors, and its values.
+template <class Data>
+StateDict with_data(const StateDict& request, Data&& data) {
+  StateDict out;
+  for (ShardedTensor t : request.tensors()) {
+    t.data = data(t.key, t.dtype, t.shape);
+    out.add(std::move(t));
+  }
+  for (ShardedParam p : request.params()) {
+    p.shard = data(p.spec.key, p.dtype, p.shard_shape());
+    out.add(std::move(p));
+  }
+  for (const auto& [key, value] : request.common()) out.add_common(key, value);
+  for (const auto& [key, value] : request.local()) out.add_local(key, value);
+  return out;
+}
+
+}  // namespace
+
+StateDict attach(const StateDict& request, const LoadedState& loaded) {
+  return with_data(request, [&](const std::string& key, DType, const Extents&) { return loaded.tensor(key); });
+}
+
+StateDict with_destinations(const StateDict& request, Placement placement) {
+  return with_data(request, [&](const std::string&, DType dtype, const Extents& shape) {
+    HostBuffer host = HostBuffer::uninitialized(dtype, shape);
+    if (host.bytes()) std::memset(host.mut_view().data(), 0xff, host.bytes());
+    return placed(std::move(host), placement);
+  });
+}
+
+Verification verify_tensors(const StateDict& filled, int rank, CopyEngine* engine, bool pattern) {
   Verification v;
   auto mismatch = [&](std::string text) {
     if (v.mismatches++ == 0) v.first_mismatch = cat("rank ", rank, ": ", text);
   };
-  for (const ParamSpec& spec : params(config, layout.tp)) {
-    const RankPlan plan = plan_rank(spec, layout.gtp, layout.align, {c.tp, c.gtp});
-    const HostBuffer& shard = loaded.tensor(spec.key);
-    const Extents want = param_entry(spec, config, layout, c).shard_shape();
-    if (!(shard.shape() == want) || shard.dtype() != config.dtype) {
-      mismatch(cat(spec.key, ": loaded shard has the wrong shape or dtype"));
+  for (const ShardedParam& p : filled.params()) {
+    const Extents want = p.shard_shape();
+    if (!p.shard || !(p.shard.shape() == want) || p.shard.dtype() != p.dtype) {
+      mismatch(cat(p.spec.key, ": the loaded shard has the wrong shape or dtype"));
       continue;
     }
-    const TensorView rows = shard.view();
-    const bool f32 = config.dtype == DType::f32;
-    for_each_row(plan, [&](const Piece& p, std::int64_t r, std::uint64_t seed, std::int64_t n) {
-      const TensorView row = rows.rows(p.shard_row + r, p.shard_row + r + 1);
-      const std::int64_t bad = f32 ? first_difference<float>(row, seed) : first_difference<bf16>(row, seed);
-      if (bad >= 0)
-        mismatch(cat(p.key, ": shard row ", p.shard_row + r, " element ", bad, " differs from the pattern"));
+    // A device shard comes to the host first: one shard at a time.
+    HostBuffer copy;
+    TensorView shard = p.shard.view();
+    if (!shard.space().host_accessible()) {
+      require(engine != nullptr, Errc::invalid_argument, "checking a device shard needs its CopyEngine");
+      copy = HostBuffer::uninitialized(p.dtype, want);
+      engine->copy_to_host(shard, copy.mut_view());
+      engine->wait(engine->fence());
+      shard = copy.view();
+    }
+    const bool f32 = p.dtype == DType::f32;
+    const Runs runs = for_each_run(p, [&](std::int64_t at, std::int64_t n, std::uint64_t seed) {
+      if (!pattern) return;
+      const TensorView run = TensorView::borrow(shard.data() + at * static_cast<std::int64_t>(dtype_size(p.dtype)),
+                                                p.dtype, {n});
+      const std::int64_t bad = f32 ? first_difference<float>(run, seed) : first_difference<bf16>(run, seed);
+      if (bad >= 0) mismatch(cat(p.spec.key, ": element ", at + bad, " of the shard differs from the pattern"));
       v.values += n;
     });
-    const TensorView pad = rows.rows(plan.real_rows, want.rows());
-    if (!(f32 ? all_zero<float>(pad) : all_zero<bf16>(pad))) mismatch(cat(spec.key, ": a pad row is not zero"));
-    v.pad_rows += pad.rows();
+    const TensorView pad = TensorView::borrow(
+        shard.data() + runs.pad_begin * static_cast<std::int64_t>(dtype_size(p.dtype)), p.dtype,
+        {runs.pad_end - runs.pad_begin});
+    if (!(f32 ? all_zero<float>(pad) : all_zero<bf16>(pad))) mismatch(cat(p.spec.key, ": a pad element is not zero"));
+    if (!p.flat) v.pad_rows += (runs.pad_end - runs.pad_begin) / std::max<std::int64_t>(1, want.row_elems());
   }
   return v;
 }
 
-Verification verify(const ModelConfig& config, const Layout& layout, int rank, const LoadedState& loaded) {
-  Verification v = verify_tensors(config, layout, rank, loaded);
+Verification verify(const ModelConfig& config, const Training& training, int rank, const StateDict& filled,
+                    const Values& values, CopyEngine* engine) {
+  Verification v = verify_tensors(filled, rank, engine);
   auto mismatch = [&](std::string text) {
     if (v.mismatches++ == 0) v.first_mismatch = cat("rank ", rank, ": ", text);
   };
   const auto check_value = [&](std::string_view key, const CommonValue& want) {
-    if (!loaded.contains(key) || !(loaded.value(key) == want)) mismatch(cat("value ", key, " did not round-trip"));
+    const auto it = values.find(key);
+    if (it == values.end() || !(it->second == want)) mismatch(cat("value ", key, " did not round-trip"));
   };
   check_value("iteration", iteration);
   check_value("model_config", config_json(config));
   check_value("rank_seed", std::int64_t{rank});
+  if (training.adam) {
+    check_value("optimizer.step", iteration);
+    for (const auto& [key, value] : adam_hyper) check_value(key, value);
+  }
   return v;
+}
+
+Verification verify(const ModelConfig& config, const Training& training, int rank, const StateDict& request,
+                    const LoadedState& loaded) {
+  return verify(config, training, rank, attach(request, loaded), loaded.values());
 }
 
 std::int64_t gather_save(const ModelConfig& config, const Layout& layout, const std::vector<RankModel>& models,
@@ -301,8 +446,7 @@ std::int64_t gather_save(const ModelConfig& config, const Layout& layout, const 
   }
   std::int64_t units = 0;
   for (const Write& w : writes) {
-    const Box box =
-        footprint(Claim{w.block.key, config.dtype, w.block.global_shape, w.offset, w.count, 0, true});
+    const Box box = footprint(w.block.key, w.block.global_shape, w.offset, w.count);
     datasets[w.dataset].slabs.push_back({box, units});
     units += units_of(box);
   }
@@ -320,7 +464,7 @@ std::int64_t gather_save(const ModelConfig& config, const Layout& layout, const 
     const GtpGeometry geo = GtpGeometry::make(spec.rows(), layout.gtp, layout.align);
     for (int g = 0; g < layout.gtp; ++g) {
       const auto rank = static_cast<std::size_t>(writes[w].tp_rank * layout.gtp + g);
-      parts.push_back(models[rank].shards[writes[w].param].view().rows(0, geo.real_count(g)));
+      parts.push_back(models[rank].state.params()[writes[w].param].shard.view().rows(0, geo.real_count(g)));
     }
     const HostBuffer weight = materialize(parts);
     peak = std::max<std::int64_t>(peak, static_cast<std::int64_t>(weight.bytes()));

@@ -8,12 +8,14 @@ module;
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <set>
 #include <span>
 #include <string>
 #include <string_view>
+#include <system_error>
 #include <thread>
 #include <type_traits>
 #include <utility>
@@ -24,6 +26,17 @@ import shardckpt.layout;
 import shardckpt.io;
 
 namespace shardckpt {
+
+// The library's own use of the groups' metadata collectives, which users do not call.
+struct Protocol {
+  static std::vector<std::vector<std::byte>> all_gather(ProcessGroup& g, std::span<const std::byte> mine) {
+    return g.all_gather(mine);
+  }
+  static std::vector<std::vector<std::byte>> gather(ProcessGroup& g, std::span<const std::byte> mine, int root) {
+    return g.gather(mine, root);
+  }
+};
+
 namespace {
 
 namespace fs = std::filesystem;
@@ -158,7 +171,7 @@ std::vector<std::span<const std::byte>> payloads_or_throw(std::string_view phase
 // One phase on all ranks: every rank runs `step`, all exchange outcomes, and either every rank gets
 // every payload or every rank throws the same error.
 void agree(ProcessGroup& group, std::string_view phase, const std::function<void()>& step) {
-  (void)payloads_or_throw(phase, group.all_gather(outcome([&] {
+  (void)payloads_or_throw(phase, Protocol::all_gather(group, outcome([&] {
     step();
     return Bytes();
   })));
@@ -168,7 +181,7 @@ void agree(ProcessGroup& group, std::string_view phase, const std::function<void
 // `decide` on them, and every rank gets rank 0's verdict: its payload, or the same error.
 Bytes decide_at_root(ProcessGroup& group, std::string_view phase, const std::function<Bytes()>& step,
                      const std::function<Bytes(const std::vector<std::span<const std::byte>>&)>& decide) {
-  const std::vector<Bytes> gathered = group.gather(outcome(step), 0);
+  const std::vector<Bytes> gathered = Protocol::gather(group, outcome(step), 0);
   Bytes verdict;
   if (group.rank() == 0)
     verdict = outcome([&] {
@@ -184,13 +197,25 @@ Bytes decide_at_root(ProcessGroup& group, std::string_view phase, const std::fun
   return {payload.begin(), payload.end()};
 }
 
+void put_box(Writer& w, const Box& b) {
+  for (std::int64_t v : {b.rows.begin, b.rows.end, b.cols.begin, b.cols.end}) w.i64(v);
+}
+
+Box get_box(Reader& r) {
+  Box b;
+  b.rows.begin = r.i64();
+  b.rows.end = r.i64();
+  b.cols.begin = r.i64();
+  b.cols.end = r.i64();
+  return b;
+}
+
 void put_claim(Writer& w, const SaveItem& i) {
   w.str(i.key);
   w.u8(static_cast<std::uint8_t>(i.dtype));
   w.dims(i.global_shape);
-  w.dims(i.global_offset);
-  w.dims(i.count);
-  w.u8(i.main_replica);
+  put_box(w, i.box);
+  w.u8(i.writes);
 }
 
 Claim get_claim(Reader& r, int rank) {
@@ -198,10 +223,9 @@ Claim get_claim(Reader& r, int rank) {
   c.key = r.str();
   c.dtype = static_cast<DType>(r.u8());
   c.global_shape = r.dims();
-  c.global_offset = r.dims();
-  c.count = r.dims();
+  c.box = get_box(r);
   c.rank = rank;
-  c.main_replica = r.u8() != 0;
+  c.writes = r.u8() != 0;
   return c;
 }
 
@@ -286,20 +310,17 @@ DatasetInfo get_dataset(Reader& r) {
   return d;
 }
 
-// The datasets whose first element this rank saves as a main replica: the one rank that sends a
-// parameter's record is the one that saves the first element of its first block.
+// The datasets whose first element this rank writes: the one rank that sends a parameter's record
+// is the one that writes the first element of its first block.
 std::set<std::string_view> first_elements(const SavePlan& plan) {
   std::set<std::string_view> out;
   for (const SaveItem& i : plan.items)
-    if (i.main_replica && i.count[0] > 0 &&
-        std::all_of(i.global_offset.begin(), i.global_offset.end(), [](std::int64_t o) { return o == 0; }))
-      out.insert(i.key);
+    if (i.writes && !i.box.empty() && i.box.rows.begin == 0 && i.box.cols.begin == 0) out.insert(i.key);
   return out;
 }
 
-// Checksum units of a claim: main replicas checksum every row they write.
-std::int64_t claim_units(const Claim& c) { return c.main_replica ? units_of(footprint(c)) : 0; }
-
+// Checksum units of a claim: writers checksum every row of their box.
+std::int64_t claim_units(const Claim& c) { return c.writes ? units_of(c.box) : 0; }
 // Claims rank 0 turns into Claim values at a time. Claims of one key always fall into the same part,
 // so checking the parts one by one checks everything, while the memory for Claim values stays near
 // this many whatever the number of ranks and pieces (the seed's 159k claims would take 42 MiB).
@@ -362,106 +383,233 @@ Planned validate_in_parts(const std::vector<std::span<const std::byte>>& payload
   return out;
 }
 
+
+// The outcome of a local check as a message, so that every member can learn every member's verdict.
+Bytes checked(const std::function<void()>& check, Bytes payload) {
+  return outcome([&] {
+    check();
+    return payload;
+  });
+}
+
 }  // namespace
+
+std::vector<std::vector<std::byte>> ProcessGroup::gather(std::span<const std::byte> mine, int root) {
+  require_root(root, size());
+  auto all = all_gather(mine);
+  if (rank() != root) all.clear();
+  return all;
+}
+
+void require_root(int root, int size) {
+  require(root >= 0 && root < size, Errc::invalid_argument, "root ", root, " is outside a group of ", size);
+}
+
+void require_row_counts(TensorView rows, std::span<const std::int64_t> counts, int size) {
+  require(counts.size() == static_cast<std::size_t>(size), Errc::invalid_argument, "gathering rows: ", counts.size(),
+          " row counts for a group of ", size);
+  std::int64_t total = 0;
+  for (std::int64_t c : counts) {
+    require(c >= 0, Errc::invalid_argument, "gathering rows: a negative row count (", c, ")");
+    total = checked_add(total, c, "rows gathered");
+  }
+  require(total == rows.rows(), Errc::invalid_argument, "gathering rows: the counts add up to ", total,
+          " rows but the tensor has ", rows.rows());
+}
+
+std::unique_ptr<ProcessGroup> SoloGroup::split(int, int) { return std::make_unique<SoloGroup>(); }
+
+void SoloGroup::all_gather_rows(MutTensorView rows, std::span<const std::int64_t> counts) {
+  require_row_counts(rows, counts, 1);
+}
 
 std::vector<std::vector<std::byte>> SoloGroup::all_gather(std::span<const std::byte> mine) {
   return {Bytes(mine.begin(), mine.end())};
 }
 
 std::vector<std::byte> SoloGroup::broadcast(std::span<const std::byte> bytes, int root) {
-  require(root == 0, Errc::invalid_argument, "broadcast root ", root, " is outside a group of 1");
+  require_root(root, 1);
   return {bytes.begin(), bytes.end()};
 }
 
-// Rendezvous of all ranks per collective: the last rank to arrive publishes the round's result and
-// bumps the generation that the others wait on.
-struct ThreadGroup::State {
-  struct Member final : ProcessGroup {
-    State* state = nullptr;
-    int me = 0;
-    int rank() const override { return me; }
-    int size() const override { return static_cast<int>(state->members.size()); }
-    void barrier() override {
-      state->exchange(me, {}, [](std::vector<Bytes>&) { return 0; });
-    }
-    std::vector<Bytes> all_gather(std::span<const std::byte> mine) override {
-      return state->exchange(me, mine, [](std::vector<Bytes>& all) { return all; });
-    }
-    std::vector<Bytes> gather(std::span<const std::byte> mine, int root) override {
-      check_root(root);
-      // Only the root reads the round's result, so it may take it.
-      return state->exchange(
-          me, mine, [&](std::vector<Bytes>& all) { return me == root ? std::move(all) : std::vector<Bytes>(); });
-    }
-    Bytes broadcast(std::span<const std::byte> bytes, int root) override {
-      check_root(root);
-      return state->exchange(me, me == root ? bytes : std::span<const std::byte>(),
-                             [&](std::vector<Bytes>& all) { return all[static_cast<std::size_t>(root)]; });
-    }
-    void check_root(int root) const {
-      require(root >= 0 && root < size(), Errc::invalid_argument, "root ", root, " is outside a group of ", size());
-    }
-  };
+// The rendezvous of a thread group's members, one collective at a time: the last member to arrive
+// publishes the round's result and bumps the generation that the others wait on. Groups split from
+// it are its children: an abort reaches them too.
+struct ThreadGroup::Shared {
+  explicit Shared(int size) : size(size), slots(static_cast<std::size_t>(size)) {}
 
+  const int size;
   std::mutex mutex;
   std::condition_variable changed;
-  std::vector<Member> members;
   std::vector<Bytes> slots, result;
   int arrived = 0;
   std::uint64_t generation = 0;
   std::optional<std::string> aborted;
+  std::vector<std::weak_ptr<Shared>> children;
+  // Groups being split off in one round, by (round, color): the group and how many members have yet
+  // to take it.
+  std::map<std::pair<std::uint64_t, int>, std::pair<std::shared_ptr<Shared>, int>> splitting;
+
+  void abort(const std::string& reason) {
+    std::vector<std::shared_ptr<Shared>> reached;
+    {
+      const std::lock_guard lock(mutex);
+      if (!aborted) aborted = reason;
+      changed.notify_all();
+      for (const auto& c : children)
+        if (auto child = c.lock()) reached.push_back(std::move(child));
+    }
+    for (const auto& child : reached) child->abort(reason);
+  }
 
   void throw_if_aborted() const {
     if (aborted) throw Error(Errc::collective, cat("the thread group was aborted: ", *aborted));
   }
 
-  // Deposits this rank's bytes, waits for the round to complete, and returns pick(result) for this
-  // rank: everything, one rank's bytes, or nothing.
+  // Deposits this member's bytes, waits for the round to complete, and returns pick(result, round)
+  // for this member: everything, one member's bytes, or nothing.
   template <class Pick>
-  std::invoke_result_t<Pick, std::vector<Bytes>&> exchange(int rank, std::span<const std::byte> mine, Pick pick) {
+  auto exchange(int me, std::span<const std::byte> mine, Pick pick) {
     std::unique_lock lock(mutex);
     throw_if_aborted();
-    slots[static_cast<std::size_t>(rank)].assign(mine.begin(), mine.end());
-    if (++arrived == static_cast<int>(members.size())) {
+    slots[static_cast<std::size_t>(me)].assign(mine.begin(), mine.end());
+    if (++arrived == size) {
       result = std::move(slots);
-      slots.assign(members.size(), {});
+      slots.assign(static_cast<std::size_t>(size), {});
       arrived = 0;
       ++generation;
       changed.notify_all();
-      return pick(result);
+      return pick(result, generation);
     }
     const std::uint64_t round = generation;
     changed.wait(lock, [&] { return generation != round || aborted; });
     if (generation == round) throw_if_aborted();
-    // The next round cannot complete without this rank, so `result` still holds this round's.
-    return pick(result);
+    // The next round cannot complete without this member, so `result` still holds this round's.
+    return pick(result, round + 1);
+  }
+
+  // The group of `color` split off in `round`, made by the first of its `members` to ask.
+  std::shared_ptr<Shared> child(std::uint64_t round, int color, int members) {
+    const std::lock_guard lock(mutex);
+    throw_if_aborted();
+    auto [it, fresh] = splitting.try_emplace({round, color});
+    if (fresh) {
+      it->second = {std::make_shared<Shared>(members), members};
+      std::erase_if(children, [](const std::weak_ptr<Shared>& c) { return c.expired(); });
+      children.push_back(it->second.first);
+    }
+    std::shared_ptr<Shared> out = it->second.first;
+    if (--it->second.second == 0) splitting.erase(it);
+    return out;
   }
 };
 
-ThreadGroup::ThreadGroup(int size) : state_(std::make_unique<State>()) {
-  require(size >= 1, Errc::invalid_argument, "a thread group needs at least one rank (got ", size, ")");
-  state_->members.resize(static_cast<std::size_t>(size));
-  state_->slots.resize(static_cast<std::size_t>(size));
-  for (int r = 0; r < size; ++r) {
-    state_->members[static_cast<std::size_t>(r)].state = state_.get();
-    state_->members[static_cast<std::size_t>(r)].me = r;
+namespace {
+
+class ThreadMember final : public ProcessGroup {
+ public:
+  ThreadMember(std::shared_ptr<ThreadGroup::Shared> shared, int me) : shared_(std::move(shared)), me_(me) {}
+
+  int rank() const override { return me_; }
+  int size() const override { return shared_->size; }
+  void barrier() override {
+    shared_->exchange(me_, {}, [](std::vector<Bytes>&, std::uint64_t) { return 0; });
   }
+
+  std::unique_ptr<ProcessGroup> split(int color, int key) override {
+    Writer w;
+    w.i64(color);
+    w.i64(key);
+    std::uint64_t round = 0;
+    const auto all = shared_->exchange(me_, w.take(), [&](std::vector<Bytes>& r, std::uint64_t g) {
+      round = g;
+      return r;
+    });
+    // Members of my color, ordered by key and then by rank in this group.
+    std::vector<std::pair<std::int64_t, int>> mine;
+    for (int r = 0; r < size(); ++r) {
+      Reader in(all[static_cast<std::size_t>(r)]);
+      const std::int64_t c = in.i64();
+      if (c == color) mine.emplace_back(in.i64(), r);
+    }
+    std::sort(mine.begin(), mine.end());
+    const auto me = std::find_if(mine.begin(), mine.end(), [&](const auto& m) { return m.second == me_; });
+    return std::make_unique<ThreadMember>(shared_->child(round, color, static_cast<int>(mine.size())),
+                                          static_cast<int>(me - mine.begin()));
+  }
+
+  // Each member publishes where its rows are; each then copies the other members' shares out of
+  // their memory into its own, and none returns before all have copied.
+  void all_gather_rows(MutTensorView rows, std::span<const std::int64_t> counts) override {
+    Writer w;
+    w.i64(static_cast<std::int64_t>(reinterpret_cast<std::uintptr_t>(rows.data())));
+    w.i64(static_cast<std::int64_t>(rows.row_bytes()));
+    w.dims(counts);
+    const auto all = all_gather(checked(
+        [&] {
+          require_row_counts(rows, counts, size());
+          require(rows.space().host_accessible(), Errc::invalid_argument, "a thread group moves host memory, not ",
+                  memory_space_text(rows.space()), " memory");
+        },
+        w.take()));
+    const auto members = payloads_or_throw("gathering rows", all);
+    std::int64_t start = 0;
+    for (int r = 0; r < size(); ++r) {
+      Reader in(members[static_cast<std::size_t>(r)]);
+      const auto* from = reinterpret_cast<const std::byte*>(static_cast<std::uintptr_t>(in.i64()));
+      const std::int64_t row_bytes = in.i64();
+      require(row_bytes == static_cast<std::int64_t>(rows.row_bytes()) && in.dims() == std::vector(counts.begin(), counts.end()),
+              Errc::invalid_argument, "gathering rows: member ", r, " gathers rows of ", row_bytes, " bytes, member ",
+              me_, " of ", rows.row_bytes(), " bytes, or with other counts");
+      const std::int64_t n = counts[static_cast<std::size_t>(r)];
+      if (r != me_ && n > 0)
+        std::memcpy(rows.rows(start, start + n).data(), from + start * row_bytes, static_cast<std::size_t>(n * row_bytes));
+      start += n;
+    }
+    barrier();
+  }
+
+  Bytes broadcast(std::span<const std::byte> bytes, int root) override {
+    require_root(root, size());
+    return shared_->exchange(me_, me_ == root ? bytes : std::span<const std::byte>(),
+                             [&](std::vector<Bytes>& all, std::uint64_t) { return all[static_cast<std::size_t>(root)]; });
+  }
+
+ protected:
+  std::vector<Bytes> all_gather(std::span<const std::byte> mine) override {
+    return shared_->exchange(me_, mine, [](std::vector<Bytes>& all, std::uint64_t) { return all; });
+  }
+  std::vector<Bytes> gather(std::span<const std::byte> mine, int root) override {
+    require_root(root, size());
+    // Only the root reads the round's result, so it may take it.
+    return shared_->exchange(me_, mine, [&](std::vector<Bytes>& all, std::uint64_t) {
+      return me_ == root ? std::move(all) : std::vector<Bytes>();
+    });
+  }
+
+ private:
+  std::shared_ptr<ThreadGroup::Shared> shared_;
+  int me_;
+};
+
+}  // namespace
+
+ThreadGroup::ThreadGroup(int size) {
+  require(size >= 1, Errc::invalid_argument, "a thread group needs at least one rank (got ", size, ")");
+  shared_ = std::make_shared<Shared>(size);
+  for (int r = 0; r < size; ++r) members_.push_back(std::make_unique<ThreadMember>(shared_, r));
 }
 
 ThreadGroup::~ThreadGroup() = default;
 
-int ThreadGroup::size() const noexcept { return static_cast<int>(state_->members.size()); }
+int ThreadGroup::size() const noexcept { return shared_->size; }
 
 ProcessGroup& ThreadGroup::member(int rank) {
   require(rank >= 0 && rank < size(), Errc::invalid_argument, "rank ", rank, " is outside a thread group of ", size());
-  return state_->members[static_cast<std::size_t>(rank)];
+  return *members_[static_cast<std::size_t>(rank)];
 }
 
-void ThreadGroup::abort(const std::string& reason) {
-  const std::lock_guard lock(state_->mutex);
-  if (!state_->aborted) state_->aborted = reason;
-  state_->changed.notify_all();
-}
+void ThreadGroup::abort(const std::string& reason) { shared_->abort(reason); }
 
 void run_ranks(int ranks, const std::function<void(ProcessGroup&)>& fn) {
   ThreadGroup group(ranks);
@@ -507,7 +655,12 @@ std::string_view save_phase_name(SavePhase phase) noexcept {
   return "?";
 }
 
-void save(const StateDict& state, const fs::path& path, ProcessGroup& group, SaveOptions options) {
+namespace {
+
+// A save of the plan that `make_plan` returns on each rank (called once, in the planning phase, so
+// that its errors are the save's collective errors).
+void save_with(const std::function<SavePlan()>& make_plan, const fs::path& path, ProcessGroup& group,
+               const SaveOptions& options) {
   const ForbidMaterialization no_copies;
   const int me = group.rank();
   const auto phase = [&](SavePhase p) {
@@ -525,7 +678,7 @@ void save(const StateDict& state, const fs::path& path, ProcessGroup& group, Sav
     const Bytes created = decide_at_root(
         group, "planning, validating and creating the checkpoint",
         [&] {
-          plan = prepare_save(state);
+          plan = make_plan();
           const std::vector<Claim> claims = claims_of(plan, me);
           std::int64_t units = 0;
           for (const Claim& c : claims) units = checked_add(units, claim_units(c), "checksum units");
@@ -579,7 +732,7 @@ void save(const StateDict& state, const fs::path& path, ProcessGroup& group, Sav
     phase(SavePhase::writing);
     auto write_mine = [&] {
       PieceWriter writer(partial, options.method, slot, options.progress);
-      write_items(plan, datasets, writer);
+      write_items(plan, datasets, writer, options.staging);
       writer.finish();
     };
     if (options.method == IoMethod::direct) {
@@ -606,15 +759,11 @@ void save(const StateDict& state, const fs::path& path, ProcessGroup& group, Sav
   }
 }
 
-void save(const StateDict& state, const fs::path& path, SaveOptions options) {
-  SoloGroup solo;
-  save(state, path, solo, options);
-}
-
-LoadedState load(const fs::path& path, const StateDict& request, ProcessGroup& group, LoadOptions options) {
+// Opens the checkpoint at `path` on every rank, the same one on all. Rank 0 checks the seal of the
+// file's metadata; the others then only that they opened the file it checked, so that the whole
+// metadata is read once, not once per rank.
+CheckpointReader open_agreed(const fs::path& path, ProcessGroup& group) {
   std::optional<CheckpointReader> reader;
-  // Rank 0 checks the seal of the file's metadata; the others then only that they opened the file it
-  // checked, so that the whole metadata is read once, not once per rank.
   const Bytes sealed = decide_at_root(
       group, cat("opening ", path.string()),
       [&] {
@@ -632,16 +781,213 @@ LoadedState load(const fs::path& path, const StateDict& request, ProcessGroup& g
   });
   // Every rank opened the path on its own: they must all have opened the same checkpoint.
   const std::string& id = reader->contents().id;
-  const std::vector<Bytes> ids = group.all_gather(std::as_bytes(std::span(id.data(), id.size())));
-  for (std::size_t r = 0; r < ids.size(); ++r)
-    require(std::string_view(reinterpret_cast<const char*>(ids[r].data()), ids[r].size()) == id, Errc::replaced,
-            "loading ", path.string(), ": rank ", group.rank(), " opened checkpoint ", id, " but rank ", r, " opened ",
-            std::string_view(reinterpret_cast<const char*>(ids[r].data()), ids[r].size()),
-            ": the path was replaced while the ranks opened it");
-  if (group.rank() == 0) notice_unchecked(*reader, options);
-  std::optional<LoadedState> out;
-  agree(group, cat("loading ", path.string()), [&] { out.emplace(load(*reader, request, options)); });
+  const std::vector<Bytes> ids = Protocol::all_gather(group, std::as_bytes(std::span(id.data(), id.size())));
+  for (std::size_t r = 0; r < ids.size(); ++r) {
+    const std::string_view other(reinterpret_cast<const char*>(ids[r].data()), ids[r].size());
+    require(other == id, Errc::replaced, "loading ", path.string(), ": rank ", group.rank(), " opened checkpoint ", id,
+            " but rank ", r, " opened ", other, ": the path was replaced while the ranks opened it");
+  }
+  return std::move(*reader);
+}
+
+// Whether the data-parallel copies of this rank's shards can share their reads: the group must be
+// able to move every destination's memory, on every copy.
+bool can_share(ProcessGroup& replicas, const std::vector<ReplicaRows>& rows) {
+  const bool mine = std::all_of(rows.begin(), rows.end(), [&](const ReplicaRows& r) { return replicas.moves(r.rows.space()); });
+  const std::byte flag{static_cast<unsigned char>(mine)};
+  const auto all = Protocol::all_gather(replicas, std::span(&flag, 1));
+  return std::all_of(all.begin(), all.end(), [](const Bytes& b) { return b.size() == 1 && b[0] == std::byte{1}; });
+}
+
+// Every shard with copies must be copy replica_id of `replicas.size()`, and replica_id must be
+// this rank's place in the group that hands the rows around.
+void check_replicas(const StateDict& state, const ProcessGroup& replicas) {
+  const auto check = [&](std::string_view key, int id, int count) {
+    require(count == 1 || (count == replicas.size() && id == replicas.rank()), Errc::invalid_argument, "key ", key,
+            ": replica ", id, " of ", count, " loads through a replica group in which this rank is ", replicas.rank(),
+            " of ", replicas.size());
+  };
+  for (const ShardedTensor& t : state.tensors()) check(t.key, t.replica_id, t.replicas);
+  for (const ShardedParam& p : state.params()) check(p.spec.key, p.replica_id, p.replicas);
+}
+
+}  // namespace
+
+void save(const StateDict& state, const fs::path& path, ProcessGroup& group, SaveOptions options) {
+  save_with([&] { return prepare_save(state); }, path, group, options);
+}
+
+void save(const StateDict& state, const fs::path& path, SaveOptions options) {
+  SoloGroup solo;
+  save(state, path, solo, options);
+}
+
+Values load_into(const fs::path& path, const StateDict& state, ProcessGroup& group, LoadOptions options,
+                 ProcessGroup* replicas) {
+  const CheckpointReader reader = open_agreed(path, group);
+  if (group.rank() == 0) notice_unchecked(reader, options);
+  const std::vector<ReplicaRows> shared = replica_rows(state);
+  options.read_own_share = replicas != nullptr && replicas->size() > 1 && !shared.empty() && can_share(*replicas, shared);
+  std::optional<Values> out;
+  agree(group, cat("loading ", path.string()), [&] {
+    if (options.read_own_share) check_replicas(state, *replicas);
+    out.emplace(load_into(reader, state, options));
+  });
+  // Each copy read its share of every shard's rows: now they hand them to each other.
+  if (options.read_own_share)
+    for (const ReplicaRows& r : shared) replicas->all_gather_rows(r.rows, r.counts);
   return std::move(*out);
+}
+
+LoadedState load(const fs::path& path, const StateDict& request, ProcessGroup& group, LoadOptions options,
+                 ProcessGroup* replicas) {
+  Allocated a = allocate_destinations(request);
+  Values values = load_into(path, a.state, group, std::move(options), replicas);
+  return LoadedState(std::move(a.buffers), std::move(values));
+}
+
+// ---- async saves -------------------------------------------------------------------------------
+
+struct AsyncSave::State {
+  std::mutex mutex;
+  std::condition_variable changed;
+  bool finished = false;
+  std::exception_ptr error;
+
+  void finish(std::exception_ptr e) {
+    const std::lock_guard lock(mutex);
+    error = std::move(e);
+    finished = true;
+    changed.notify_all();
+  }
+};
+
+AsyncSave::AsyncSave(AsyncSave&&) noexcept = default;
+AsyncSave& AsyncSave::operator=(AsyncSave&&) noexcept = default;
+AsyncSave::~AsyncSave() = default;
+
+void AsyncSave::wait() {
+  require(state_ != nullptr, Errc::invalid_argument, "waiting for no save");
+  std::unique_lock lock(state_->mutex);
+  state_->changed.wait(lock, [&] { return state_->finished; });
+  if (state_->error) std::rethrow_exception(state_->error);
+}
+
+bool AsyncSave::done() const {
+  if (!state_) return false;
+  const std::lock_guard lock(state_->mutex);
+  return state_->finished;
+}
+
+struct Saver::Impl {
+  SaverOptions options;
+  std::optional<StagingPool> pool;
+  std::unique_ptr<ProcessGroup> group;  // private: background saves never meet the caller's collectives
+  SharedBuffer staging;                 // where async saves stage this rank's bytes; sized once
+  std::thread background;
+
+  SaveOptions save_options() const {
+    SaveOptions o = options.save;
+    if (pool) o.staging = &*pool;
+    return o;
+  }
+
+  // The previous save, if one runs, must end before the next begins.
+  void join() {
+    if (background.joinable()) background.join();
+  }
+
+  // Copies every byte this rank writes into the staging memory (allocated by the first call) and
+  // returns the plan of those copies.
+  SavePlan stage(const StateDict& state) {
+    constexpr std::size_t align = 64;
+    SavePlan plan = prepare_save(state);
+    std::size_t need = 0;
+    for (const SaveItem& i : plan.items)
+      if (i.writes) need = (need + align - 1) / align * align + i.data.bytes();
+    if (!staging)
+      staging = options.engine ? options.engine->allocate_pinned(std::max(need, options.async_staging_bytes))
+                               : allocate_locked(std::max(need, options.async_staging_bytes));
+    require(need <= staging.bytes(), Errc::invalid_argument, "an async save of ", need,
+            " bytes does not fit the staging memory of ", staging.bytes(),
+            " bytes sized by the first (set SaverOptions::async_staging_bytes, or make a new Saver)");
+    std::byte* base = staging.mut_view().data();
+    std::size_t at = 0;
+    for (SaveItem& i : plan.items) {
+      if (!i.writes) {
+        i.data = {};  // never read: another rank writes these rows
+        continue;
+      }
+      at = (at + align - 1) / align * align;
+      const MutTensorView to = MutTensorView::borrow(base + at, i.data.dtype(), i.data.shape(), MemorySpace::pinned());
+      at += i.data.bytes();
+      if (i.data.space().host_accessible()) {
+        if (!i.data.empty()) std::memcpy(to.data(), i.data.data(), i.data.bytes());
+      } else {
+        require(options.engine != nullptr && options.engine->device() == i.data.space(), Errc::invalid_argument, "key ",
+                i.key, ": an async save of ", memory_space_text(i.data.space()),
+                " memory needs a Saver with that device's CopyEngine");
+        options.engine->copy_to_host(i.data, to);
+      }
+      i.data = to;
+    }
+    if (options.engine) options.engine->wait(options.engine->fence());
+    return plan;
+  }
+};
+
+Saver::Saver(ProcessGroup& group, SaverOptions options) : impl_(std::make_unique<Impl>()) {
+  impl_->options = std::move(options);
+  impl_->group = group.split(0, group.rank());
+  agree(*impl_->group, "making a saver", [&] {
+    if (impl_->options.engine)
+      impl_->pool.emplace(*impl_->options.engine, impl_->options.staging_buffer_bytes, impl_->options.staging_buffers);
+  });
+}
+
+Saver::~Saver() { impl_->join(); }
+
+void Saver::save(const StateDict& state, const fs::path& path) {
+  impl_->join();
+  shardckpt::save(state, path, *impl_->group, impl_->save_options());
+}
+
+AsyncSave Saver::save_async(const StateDict& state, const fs::path& path) {
+  impl_->join();
+  require(impl_->group->supports_background(), Errc::invalid_argument,
+          "this process group cannot run a save in the background (MPI needs MPI_THREAD_MULTIPLE)");
+  // A failure to stage is this rank's error in the save's planning phase, so that every rank learns it.
+  std::exception_ptr staging_error;
+  auto plan = std::make_shared<SavePlan>();
+  try {
+    *plan = impl_->stage(state);
+  } catch (const std::exception&) {
+    staging_error = std::current_exception();
+  }
+  auto outcome = std::make_shared<AsyncSave::State>();
+  auto run = [impl = impl_.get(), plan, staging_error, path, outcome] {
+    try {
+      save_with(
+          [&] {
+            if (staging_error) std::rethrow_exception(staging_error);
+            return std::move(*plan);
+          },
+          path, *impl->group, impl->save_options());
+      outcome->finish(nullptr);
+    } catch (...) {
+      outcome->finish(std::current_exception());
+    }
+  };
+  try {
+    impl_->background = std::thread(run);
+  } catch (const std::system_error&) {
+    run();  // no thread to spare: the save still happens, in the caller's time
+  }
+  return AsyncSave(outcome);
+}
+
+std::size_t Saver::staging_bytes() const {
+  return (impl_->pool ? impl_->pool->bytes() : 0) + impl_->staging.bytes();
 }
 
 }  // namespace shardckpt

@@ -3,6 +3,7 @@ module;
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -23,10 +24,46 @@ void check_mpi(int rc, const char* what) {
 
 MpiGroup::MpiGroup(MPI_Comm comm) {
   check_mpi(MPI_Comm_dup(comm, &comm_), "Comm_dup");
+  describe();
+}
+
+MpiGroup::MpiGroup(MPI_Comm owned, Adopt) : comm_(owned) { describe(); }
+
+void MpiGroup::describe() {
   // Errors come back as codes (and become Error) instead of aborting the job.
   check_mpi(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "Comm_set_errhandler");
   check_mpi(MPI_Comm_rank(comm_, &rank_), "Comm_rank");
   check_mpi(MPI_Comm_size(comm_, &size_), "Comm_size");
+}
+
+std::unique_ptr<ProcessGroup> MpiGroup::split(int color, int key) {
+  MPI_Comm part = MPI_COMM_NULL;
+  check_mpi(MPI_Comm_split(comm_, color, key, &part), "Comm_split");
+  return std::unique_ptr<ProcessGroup>(new MpiGroup(part, Adopt{}));
+}
+
+bool MpiGroup::supports_background() const {
+  int level = MPI_THREAD_SINGLE;
+  return MPI_Query_thread(&level) == MPI_SUCCESS && level == MPI_THREAD_MULTIPLE;
+}
+
+void MpiGroup::all_gather_rows(MutTensorView rows, std::span<const std::int64_t> counts) {
+  require_row_counts(rows, counts, size_);
+  require(rows.space().host_accessible(), Errc::invalid_argument, "an MPI group moves host memory, not ",
+          memory_space_text(rows.space()), " memory");
+  require(rows.row_bytes() <= INT32_MAX && rows.rows() <= INT32_MAX, Errc::invalid_argument, "gathering ",
+          rows.rows(), " rows of ", rows.row_bytes(), " bytes exceeds MPI's int counts");
+  std::vector<int> n, at;
+  for (std::int64_t c : counts) {
+    at.push_back(n.empty() ? 0 : at.back() + n.back());
+    n.push_back(static_cast<int>(c));
+  }
+  MPI_Datatype row = MPI_DATATYPE_NULL;
+  check_mpi(MPI_Type_contiguous(static_cast<int>(rows.row_bytes()), MPI_BYTE, &row), "Type_contiguous");
+  check_mpi(MPI_Type_commit(&row), "Type_commit");
+  const int rc = MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, rows.data(), n.data(), at.data(), row, comm_);
+  MPI_Type_free(&row);
+  check_mpi(rc, "Allgatherv");
 }
 
 MpiGroup::~MpiGroup() {
@@ -59,7 +96,7 @@ int count_of(std::span<const std::byte> mine) {
   return static_cast<int>(mine.size());
 }
 
-std::vector<std::vector<std::byte>> split(const std::vector<std::byte>& all, const Layout& l) {
+std::vector<std::vector<std::byte>> cut(const std::vector<std::byte>& all, const Layout& l) {
   std::vector<std::vector<std::byte>> out(l.counts.size());
   for (std::size_t r = 0; r < out.size(); ++r) {
     const auto* first = all.data() + l.displs[r];
@@ -78,11 +115,11 @@ std::vector<std::vector<std::byte>> MpiGroup::all_gather(std::span<const std::by
   std::vector<std::byte> all(static_cast<std::size_t>(l.total));
   check_mpi(MPI_Allgatherv(mine.data(), count, MPI_BYTE, all.data(), l.counts.data(), l.displs.data(), MPI_BYTE, comm_),
             "Allgatherv");
-  return split(all, l);
+  return cut(all, l);
 }
 
 std::vector<std::vector<std::byte>> MpiGroup::gather(std::span<const std::byte> mine, int root) {
-  require(root >= 0 && root < size_, Errc::invalid_argument, "gather root ", root, " is outside a group of ", size_);
+  require_root(root, size_);
   const int count = count_of(mine);
   std::vector<int> counts(rank_ == root ? static_cast<std::size_t>(size_) : 0);
   check_mpi(MPI_Gather(&count, 1, MPI_INT, counts.data(), 1, MPI_INT, root, comm_), "Gather");
@@ -108,7 +145,7 @@ std::vector<std::vector<std::byte>> MpiGroup::gather(std::span<const std::byte> 
 }
 
 std::vector<std::byte> MpiGroup::broadcast(std::span<const std::byte> bytes, int root) {
-  require(root >= 0 && root < size_, Errc::invalid_argument, "broadcast root ", root, " is outside a group of ", size_);
+  require_root(root, size_);
   std::int64_t n = rank_ == root ? static_cast<std::int64_t>(bytes.size()) : 0;
   check_mpi(MPI_Bcast(&n, 1, MPI_INT64_T, root, comm_), "Bcast");
   require(n <= INT32_MAX, Errc::invalid_argument, "broadcast of ", n, " bytes exceeds MPI's int counts");

@@ -63,6 +63,42 @@ NcclGroup::NcclGroup(ProcessGroup& bootstrap, int device) : impl_(std::make_uniq
   check_nccl(ncclCommInitRank(&impl_->comm, size_, id, rank_), "ncclCommInitRank");
 }
 
+std::unique_ptr<ProcessGroup> NcclGroup::split(int color, int key) {
+  check_cuda(cudaSetDevice(impl_->device), "cudaSetDevice");
+  std::unique_ptr<NcclGroup> part(new NcclGroup());
+  part->impl_ = std::make_unique<Impl>();
+  part->impl_->device = impl_->device;
+  check_nccl(ncclCommSplit(impl_->comm, color, key, &part->impl_->comm, nullptr), "ncclCommSplit");
+  check_cuda(cudaStreamCreate(&part->impl_->stream), "cudaStreamCreate");
+  check_nccl(ncclCommUserRank(part->impl_->comm, &part->rank_), "ncclCommUserRank");
+  check_nccl(ncclCommCount(part->impl_->comm, &part->size_), "ncclCommCount");
+  return part;
+}
+
+bool NcclGroup::moves(MemorySpace space) const {
+  return space == MemorySpace::on_device(impl_->device);
+}
+
+void NcclGroup::all_gather_rows(MutTensorView rows, std::span<const std::int64_t> counts) {
+  require_row_counts(rows, counts, size_);
+  require(moves(rows.space()), Errc::invalid_argument, "an NCCL group on device ", impl_->device, " moves its memory, not ",
+          memory_space_text(rows.space()), " memory");
+  check_cuda(cudaSetDevice(impl_->device), "cudaSetDevice");
+  check_nccl(ncclGroupStart(), "ncclGroupStart");
+  std::int64_t start = 0;
+  for (int r = 0; r < size_; ++r) {
+    const std::int64_t n = counts[static_cast<std::size_t>(r)];
+    std::byte* at = rows.data() + static_cast<std::size_t>(start) * rows.row_bytes();
+    if (n > 0)
+      check_nccl(ncclBroadcast(at, at, static_cast<std::size_t>(n) * rows.row_bytes(), ncclUint8, r, impl_->comm,
+                               impl_->stream),
+                 "ncclBroadcast");
+    start += n;
+  }
+  check_nccl(ncclGroupEnd(), "ncclGroupEnd");
+  impl_->sync();
+}
+
 NcclGroup::~NcclGroup() {
   if (impl_->comm) ncclCommDestroy(impl_->comm);
   if (impl_->stream) cudaStreamDestroy(impl_->stream);
@@ -108,7 +144,7 @@ std::vector<std::vector<std::byte>> NcclGroup::all_gather(std::span<const std::b
 }
 
 std::vector<std::byte> NcclGroup::broadcast(std::span<const std::byte> bytes, int root) {
-  require(root >= 0 && root < size_, Errc::invalid_argument, "broadcast root ", root, " is outside a group of ", size_);
+  require_root(root, size_);
   return all_gather(rank_ == root ? bytes : std::span<const std::byte>())[static_cast<std::size_t>(root)];
 }
 

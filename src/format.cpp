@@ -245,7 +245,7 @@ void check_box(const DatasetInfo& d, const Box& box, DType dtype, std::size_t by
 }
 
 Box box_of(const DatasetInfo& d, std::span<const std::int64_t> offset, std::span<const std::int64_t> count) {
-  return footprint(Claim{d.key, d.dtype, d.shape, {offset.begin(), offset.end()}, {count.begin(), count.end()}, 0, true});
+  return footprint(d.key, d.shape, offset, count);
 }
 
 Hid create_dataset(hid_t file, const DatasetSpec& d, const Where& w) {
@@ -380,27 +380,29 @@ std::vector<DatasetSpec> datasets_of(std::span<const Claim> claims, std::span<co
   for (const auto& [key, list] : by_key) {
     const Claim& c0 = claims[list.front()];
     DatasetSpec spec{c0.key, c0.dtype, c0.global_shape, std::nullopt, {}, {}};
-    // Band chunking: every main piece one band of the same width, at a multiple of it.
+    // Band chunking: the widest box is one band of the row, and every box lies inside one band.
     const std::vector<std::int64_t>& shape = c0.global_shape;
+    const Box whole = whole_box(shape);
     std::int64_t width = 0;
-    bool banded = shape.size() >= 2 && shape[0] > 0;
     for (std::size_t i : list) {
       const Claim& c = claims[i];
-      const Box box = footprint(c);
-      if (c.main_replica && !box.empty()) spec.slabs.push_back({box, first_units[i]});
-      if (!banded || !c.main_replica || c.count[0] == 0) continue;
-      if (width == 0) width = c.count[1];
-      if (c.count[1] != width || width == 0 || c.global_offset[1] % width != 0) banded = false;
+      if (c.writes && !c.box.empty()) {
+        spec.slabs.push_back({c.box, first_units[i]});
+        width = std::max(width, c.box.cols.size());
+      }
     }
-    if (banded && width != 0 && width != shape[1] && shape[1] % width == 0) {
+    const std::int64_t inner = shape.size() >= 2 ? element_count(std::span(shape).subspan(2)) : 1;
+    bool banded = shape.size() >= 2 && shape[0] > 0 && width > 0 && width < whole.cols.end &&
+                  whole.cols.end % width == 0 && width % inner == 0;
+    for (const Slab& s : spec.slabs)
+      banded = banded && s.box.cols.begin / width == (s.box.cols.end - 1) / width;
+    if (banded) {
       spec.chunk = shape;
-      spec.chunk[1] = width;
-      const std::int64_t row_bytes =
-          checked_mul(checked_mul(element_size(c0.dtype), width, "chunk row bytes"),
-                      element_count(std::span(shape).subspan(2)), "chunk row bytes");
+      spec.chunk[1] = width / inner;
+      const std::int64_t row_bytes = checked_mul(element_size(c0.dtype), width, "chunk row bytes");
       spec.chunk[0] = std::clamp<std::int64_t>(max_chunk_bytes / row_bytes, 1, shape[0]);
       // The direct path must find every chunk (see max_direct_chunks); past that, contiguous.
-      const std::int64_t chunks = (shape[0] + spec.chunk[0] - 1) / spec.chunk[0] * (shape[1] / width);
+      const std::int64_t chunks = (shape[0] + spec.chunk[0] - 1) / spec.chunk[0] * (whole.cols.end / width);
       if (chunks > max_direct_chunks) spec.chunk.clear();
     }
     std::sort(spec.slabs.begin(), spec.slabs.end(), [](const Slab& a, const Slab& b) {
@@ -458,8 +460,11 @@ Skeleton create_skeleton(const fs::path& partial, std::span<const DatasetSpec> d
       const Where dw{partial, d.key, "create the dataset"};
       Hid set = create_dataset(file.get(), d, dw);
       if (d.placement) {
+        const Box& b = d.placement->box;
+        const std::int64_t box[] = {b.rows.begin, b.rows.end, b.cols.begin, b.cols.end};
+        hdf5::write_attr(set.get(), "global_key", std::string_view(d.placement->key), dw);
         hdf5::write_attr(set.get(), "global_shape", std::span<const std::int64_t>(d.placement->global_shape), 0, dw);
-        hdf5::write_attr(set.get(), "global_offset", std::span<const std::int64_t>(d.placement->global_offset), 0, dw);
+        hdf5::write_attr(set.get(), "global_box", std::span<const std::int64_t>(box), 0, dw);
       }
       if (contents.checksummed && !d.slabs.empty()) {
         std::vector<std::int64_t> table;
@@ -766,11 +771,26 @@ CheckpointReader::Impl::Entry& CheckpointReader::Impl::entry(std::string_view ke
     return e;
   }
   DatasetInfo info{name, *dtype, std::move(shape), {}, std::nullopt};
-  if (hdf5::has_attr(set.get(), "global_offset", dw) || hdf5::has_attr(set.get(), "global_shape", dw)) {
-    PiecePlacement p{hdf5::read_ints(set.get(), "global_shape", 0, 32, dw, no),
-                     hdf5::read_ints(set.get(), "global_offset", 0, 32, dw, no)};
-    if (p.global_shape.size() != info.shape.size() || p.global_offset.size() != info.shape.size())
-      refuse(cat("dataset ", name, ": global_shape and global_offset do not match its rank ", info.shape.size()));
+  if (hdf5::has_attr(set.get(), "global_shape", dw)) {
+    // A local file's piece: its box in the global dataset (format 1 kept an N-D offset instead).
+    PiecePlacement p{name, hdf5::read_ints(set.get(), "global_shape", 0, 32, dw, no), {}};
+    try {
+      if (hdf5::has_attr(set.get(), "global_key", dw)) p.key = hdf5::read_string(set.get(), "global_key", dw, no);
+      if (hdf5::has_attr(set.get(), "global_box", dw)) {
+        const std::vector<std::int64_t> b = hdf5::read_ints(set.get(), "global_box", 0, 4, dw, no);
+        require(b.size() == 4, Errc::not_a_checkpoint, "global_box is not 4 values");
+        p.box = {{b[0], b[1]}, {b[2], b[3]}};
+      } else {
+        p.box = footprint(name, p.global_shape, hdf5::read_ints(set.get(), "global_offset", 0, 32, dw, no), info.shape);
+      }
+      const Box whole = whole_box(p.global_shape);
+      require(p.box.rows.begin >= 0 && p.box.rows.begin <= p.box.rows.end && p.box.rows.end <= whole.rows.end &&
+                  p.box.cols.begin >= 0 && p.box.cols.begin <= p.box.cols.end && p.box.cols.end <= whole.cols.end &&
+                  box_elements(p.box) == element_count(info.shape),
+              Errc::not_a_checkpoint, "its box does not fit the global shape or the dataset");
+    } catch (const Error& e) {
+      refuse(cat("dataset ", name, ": its placement (global_shape, global_box) is not valid: ", e.what()));
+    }
     info.placement = std::move(p);
   }
   e.info = std::move(info);

@@ -237,26 +237,62 @@ RankPlan plan_rank(const ParamSpec& spec, std::int64_t gtp, std::int64_t align, 
   return plan;
 }
 
-Box footprint(const Claim& c) {
-  const std::size_t rank = c.global_shape.size();
-  require(rank >= 1 && c.global_offset.size() == rank && c.count.size() == rank, Errc::invalid_argument, c.key,
-          ": rank ", c.rank, " claims a slab whose offset/count do not match the dataset's rank ", rank);
-  (void)element_count(c.global_shape, cat(c.key, ": elements of the global shape"));
+Box footprint(std::string_view key, std::span<const std::int64_t> shape, std::span<const std::int64_t> offset,
+              std::span<const std::int64_t> count) {
+  const std::size_t rank = shape.size();
+  require(rank >= 1 && offset.size() == rank && count.size() == rank, Errc::invalid_argument, key,
+          ": a slab whose offset/count do not match the dataset's rank ", rank);
+  (void)element_count(shape, cat(key, ": elements of the global shape"));
   for (std::size_t d = 0; d < rank; ++d) {
-    require(c.global_offset[d] >= 0 && c.count[d] >= 0 && c.global_offset[d] <= c.global_shape[d] &&
-                c.count[d] <= c.global_shape[d] - c.global_offset[d],
-            Errc::invalid_argument, c.key, ": rank ", c.rank, " claims [", c.global_offset[d], ", ",
-            c.global_offset[d] + c.count[d], ") of dim ", d, " whose size is ", c.global_shape[d]);
-    require(d < 2 || (c.global_offset[d] == 0 && c.count[d] == c.global_shape[d]), Errc::invalid_argument, c.key,
-            ": rank ", c.rank, " splits dim ", d, "; only dims 0 and 1 may be split");
+    require(offset[d] >= 0 && count[d] >= 0 && offset[d] <= shape[d] && count[d] <= shape[d] - offset[d],
+            Errc::invalid_argument, key, ": [", offset[d], ", ", offset[d] + count[d], ") of dim ", d,
+            " is outside its size ", shape[d]);
+    require(d < 2 || (offset[d] == 0 && count[d] == shape[d]), Errc::invalid_argument, key, ": a slab splits dim ",
+            d, "; only dims 0 and 1 may be split");
   }
-  Box box{{c.global_offset[0], c.global_offset[0] + c.count[0]}, {0, 1}};
+  Box box{{offset[0], offset[0] + count[0]}, {0, 1}};
   if (rank >= 2) {
-    const std::int64_t inner = element_count(std::span(c.global_shape).subspan(2));
+    const std::int64_t inner = element_count(shape.subspan(2));
     // In range: the offset and count lie inside a shape whose element count fits.
-    box.cols = {c.global_offset[1] * inner, (c.global_offset[1] + c.count[1]) * inner};
+    box.cols = {offset[1] * inner, (offset[1] + count[1]) * inner};
   }
   return box;
+}
+
+RowRange balanced_share(std::int64_t n, std::int64_t count, std::int64_t index) {
+  require(n >= 0 && count >= 1 && index >= 0 && index < count, Errc::invalid_argument, "share ", index, " of ", count,
+          " of ", n);
+  // n * index / count without overflow: n = q * count + r.
+  const std::int64_t q = n / count, r = n % count;
+  const auto start = [&](std::int64_t i) { return q * i + std::min(i, r); };
+  return {start(index), start(index + 1)};
+}
+
+std::vector<FlatPart> flat_parts(const Piece& piece, std::int64_t row_elems, RowRange range) {
+  const Box box = footprint(piece.key, piece.global_shape, piece.global_offset, piece.count);
+  const std::int64_t c = row_elems;
+  const RowRange elems =
+      RowRange{piece.shard_row * c, (piece.shard_row + piece.rows) * c}.intersect(range);
+  std::vector<FlatPart> out;
+  if (elems.empty()) return out;
+  // Shard row r, elements [lo, hi) of it, as a box of the dataset.
+  const auto part = [&](std::int64_t r, std::int64_t rows, std::int64_t lo, std::int64_t hi, std::int64_t first) {
+    const std::int64_t row = box.rows.begin + r - piece.shard_row;
+    out.push_back({{{row, row + rows}, {box.cols.begin + lo, box.cols.begin + hi}}, first - range.begin});
+  };
+  std::int64_t a = elems.begin;
+  const std::int64_t b = elems.end;
+  if (a / c == (b - 1) / c) {
+    part(a / c, 1, a % c, b - a / c * c, a);
+    return out;
+  }
+  if (a % c != 0) {
+    part(a / c, 1, a % c, c, a);
+    a = (a / c + 1) * c;
+  }
+  if (b / c > a / c) part(a / c, b / c - a / c, 0, c, a);
+  if (b % c != 0) part(b / c, 1, 0, b % c, b / c * c);
+  return out;
 }
 
 Box whole_box(std::span<const std::int64_t> shape) {
@@ -365,12 +401,18 @@ void validate_claims(std::span<const Claim> claims) {
       require(c->global_shape == first.global_shape, Errc::shape_mismatch, "key ", key, ": ranks ", first.rank, " and ",
               c->rank, " disagree on the global shape");
     }
+    const Box whole = whole_box(first.global_shape);
     std::vector<OwnedBox> boxes;
     for (const Claim* c : list) {
-      const Box b = footprint(*c);
-      if (c->main_replica && !b.empty()) boxes.push_back({b, c->rank});
+      const Box& b = c->box;
+      require(b.rows.begin >= 0 && b.rows.begin <= b.rows.end && b.rows.end <= whole.rows.end && b.cols.begin >= 0 &&
+                  b.cols.begin <= b.cols.end && b.cols.end <= whole.cols.end,
+              Errc::invalid_argument, "key ", key, ": rank ", c->rank, " claims rows [", b.rows.begin, ", ",
+              b.rows.end, ") and elements [", b.cols.begin, ", ", b.cols.end, ") of a dataset of ",
+              dims_text(first.global_shape));
+      if (c->writes && !b.empty()) boxes.push_back({b, c->rank});
     }
-    for (std::string& p : tiling_problems(key, boxes, whole_box(first.global_shape), "rank", 16 - problems.size()))
+    for (std::string& p : tiling_problems(key, boxes, whole, "rank", 16 - problems.size()))
       problems.push_back(std::move(p));
     if (problems.size() >= 16) break;
   }

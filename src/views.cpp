@@ -1,26 +1,49 @@
 module;
 #include <atomic>
-#include <bit>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <new>
 #include <span>
+#include <string>
+#include <utility>
 module shardckpt.views;
 
 namespace shardckpt {
 namespace {
 
 std::atomic<std::uint64_t> materializations{0};
+std::atomic<std::uint64_t> allocations{0};
+std::atomic<std::uint64_t> allocated_bytes{0};
 thread_local int forbid_depth = 0;
 
 }  // namespace
+
+std::string memory_space_text(MemorySpace space) {
+  switch (space.kind) {
+    case MemoryKind::host:
+      return "host";
+    case MemoryKind::pinned:
+      return "pinned host";
+    case MemoryKind::device:
+      return cat("device ", space.device);
+  }
+  return "?";
+}
+
+BufferStats buffer_stats() noexcept { return {allocations.load(), allocated_bytes.load()}; }
+
+void count_allocation(std::size_t bytes) noexcept {
+  allocations.fetch_add(1, std::memory_order_relaxed);
+  allocated_bytes.fetch_add(bytes, std::memory_order_relaxed);
+}
 
 HostBuffer::HostBuffer(DType dtype, Extents shape, bool zero) : dtype_(dtype), shape_(shape) {
   const std::size_t n = bytes();
   if (n == 0) return;
   data_ = static_cast<std::byte*>(::operator new(n, std::align_val_t{alignment}));
+  count_allocation(n);
   if (zero) std::memset(data_, 0, n);
 }
 
@@ -33,7 +56,45 @@ HostBuffer::~HostBuffer() {
 
 HostBuffer HostBuffer::deep_copy() const { return materialize(view()); }
 
+SharedBuffer::SharedBuffer(HostBuffer&& owner) {
+  auto held = std::make_shared<HostBuffer>(std::move(owner));
+  view_ = held->mut_view();
+  owner_ = std::move(held);
+}
+
+SharedBuffer SharedBuffer::zeros(DType dtype, Extents shape) { return SharedBuffer(HostBuffer::zeros(dtype, shape)); }
+
+SharedBuffer SharedBuffer::uninitialized(DType dtype, Extents shape) {
+  return SharedBuffer(HostBuffer::uninitialized(dtype, shape));
+}
+
+SharedBuffer SharedBuffer::retyped(DType dtype, Extents shape) const {
+  const std::size_t bytes = static_cast<std::size_t>(shape.elements()) * dtype_size(dtype);
+  require(bytes <= view_.bytes(), Errc::invalid_argument, "a ", dtype_name(dtype), " tensor of shape ",
+          dims_text(shape.dims()), " does not fit a buffer of ", view_.bytes(), " bytes");
+  return SharedBuffer(owner_, MutTensorView::borrow(view_.data(), dtype, shape, view_.space()));
+}
+
+MutTensorView TensorRef::mut_view() const& {
+  require(writable_, Errc::invalid_argument, "a read-only borrow cannot be loaded into: borrow a MutTensorView");
+  return view_;
+}
+
+TensorRef unchecked_borrow(MutTensorView view) noexcept { return TensorRef(view, true); }
+
+// The read-only view is held as mutable and never handed out as such (writable_ is false).
+TensorRef unchecked_borrow(TensorView view) noexcept {
+  return TensorRef(MutTensorView::borrow(const_cast<std::byte*>(view.data()), view.dtype(), view.shape(), view.space()),
+                   false);
+}
+
 HostBuffer materialize(TensorView view) { return materialize(std::span<const TensorView>(&view, 1)); }
+
+void count_materialization(std::string_view what, std::size_t bytes) {
+  require(forbid_depth == 0, Errc::materialization_forbidden, what, " (", bytes,
+          " bytes) while materialization is forbidden");
+  materializations.fetch_add(1, std::memory_order_relaxed);
+}
 
 HostBuffer materialize(std::span<const TensorView> parts) {
   require(!parts.empty(), Errc::invalid_argument, "materializing nothing");
@@ -42,12 +103,12 @@ HostBuffer materialize(std::span<const TensorView> parts) {
   for (const TensorView& p : parts) {
     require(p.dtype() == parts[0].dtype() && p.shape().with_rows(0) == parts[0].shape().with_rows(0),
             Errc::shape_mismatch, "materializing views of different dtype or row shape");
+    require(p.space().host_accessible(), Errc::invalid_argument, "materializing a view of ",
+            memory_space_text(p.space()), " memory");
     rows += p.rows();
     bytes += p.bytes();
   }
-  require(forbid_depth == 0, Errc::materialization_forbidden, "materializing a ", dtype_name(parts[0].dtype()),
-          " tensor of ", rows, " rows (", bytes, " bytes) while materialization is forbidden");
-  materializations.fetch_add(1, std::memory_order_relaxed);
+  count_materialization(cat("materializing a ", dtype_name(parts[0].dtype()), " tensor of ", rows, " rows"), bytes);
   HostBuffer out = HostBuffer::uninitialized(parts[0].dtype(), parts[0].shape().with_rows(rows));
   std::byte* dst = out.mut_view().data();
   for (const TensorView& p : parts) {

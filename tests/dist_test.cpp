@@ -34,11 +34,14 @@ demo::ModelConfig small_model() {
   return c;
 }
 
-std::int64_t mismatches_at(const demo::ModelConfig& c, const demo::Layout& l, const std::filesystem::path& path) {
+// Mismatches against the pattern after a load at `l` (each failing the test when `expect_none`).
+std::int64_t mismatches_at(const demo::ModelConfig& c, const demo::Layout& l, const std::filesystem::path& path,
+                           bool expect_none = true) {
   std::atomic<std::int64_t> bad{0};
   run_ranks(l.ranks(), [&](ProcessGroup& g) {
-    const demo::Verification v = demo::verify(c, l, g.rank(), load(path, demo::request(c, l, g.rank()), g));
-    EXPECT_EQ(v.mismatches, 0) << v.first_mismatch;
+    const demo::Verification v =
+        demo::verify(c, {}, g.rank(), demo::request(c, l, g.rank()), load(path, demo::request(c, l, g.rank()), g));
+    if (expect_none) EXPECT_EQ(v.mismatches, 0) << v.first_mismatch;
     bad += v.mismatches;
   });
   return bad.load();
@@ -77,14 +80,30 @@ struct DyingGroup final : ProcessGroup {
   int rank() const override { return inner.rank(); }
   int size() const override { return inner.size(); }
   void barrier() override { tick(), inner.barrier(); }
-  std::vector<std::vector<std::byte>> all_gather(std::span<const std::byte> b) override {
+  std::unique_ptr<ProcessGroup> split(int color, int key) override {
     tick();
-    return inner.all_gather(b);
+    return inner.split(color, key);
+  }
+  void all_gather_rows(MutTensorView rows, std::span<const std::int64_t> counts) override {
+    tick();
+    inner.all_gather_rows(rows, counts);
   }
   std::vector<std::byte> broadcast(std::span<const std::byte> b, int root) override {
     tick();
     return inner.broadcast(b, root);
   }
+
+ protected:
+  std::vector<std::vector<std::byte>> all_gather(std::span<const std::byte> b) override {
+    tick();
+    return all_gather_of(inner, b);
+  }
+};
+
+// The metadata collectives the library uses, opened for the tests.
+struct Probe : ProcessGroup {
+  using ProcessGroup::all_gather_of;
+  using ProcessGroup::gather_of;
 };
 
 }  // namespace
@@ -126,28 +145,40 @@ TEST(ThreadRanks, HyperslabPathTakesTurnsAndWritesTheSameFile) {
   EXPECT_EQ(mismatches_at(c, {1, 2, 8, 1}, dir / "h.h5"), 0);
 }
 
-TEST(ThreadRanks, DataParallelReplicasWriteOnce) {
+// Data-parallel copies of a shard each write a balanced share of its real rows: with every row
+// outside a copy's share poisoned the file is still exact, and with a copy's own share poisoned it
+// is not (so every copy writes, and only its share).
+TEST(ThreadRanks, DataParallelReplicasEachWriteTheirShare) {
   ScratchDir dir;
   const auto c = small_model();
-  const demo::Layout l{2, 2, 8, 2};
-  run_ranks(l.ranks(), [&](ProcessGroup& g) {
-    demo::RankModel m = demo::build_rank(c, l, g.rank());
-    // Replica 1 holds garbage: were it to write, the file would show it.
-    if (demo::coord_of(l, g.rank()).dp == 1)
-      for (HostBuffer& b : m.shards)
-        for (bf16& x : b.mut_view().as<bf16>()) x = to_bf16(-1.0f);
-    save(m.state, dir / "c.h5", g);
-  });
-  EXPECT_EQ(mismatches_at(c, {1, 2, 0, 1}, dir / "c.h5"), 0);
+  const demo::Layout l{2, 2, 8, 3};
+  for (const bool poison_own : {false, true}) {
+    run_ranks(l.ranks(), [&](ProcessGroup& g) {
+      demo::RankModel m = demo::build_rank(c, l, g.rank());
+      for (const ShardedParam& p : m.state.params()) {
+        const RankPlan plan = plan_rank(p.spec, p.gtp, p.align, p.coord);
+        const RowRange share = balanced_share(plan.real_rows, p.replicas, p.replica_id);
+        const MutTensorView shard = p.shard.mut_view();
+        for (std::int64_t r = 0; r < plan.real_rows; ++r)
+          if ((r >= share.begin && r < share.end) == poison_own)
+            for (bf16& x : shard.rows(r, r + 1).as<bf16>()) x = to_bf16(-1.0f);
+      }
+      save(m.state, dir / "c.h5", g);
+    });
+    if (poison_own)
+      EXPECT_GT(mismatches_at(c, {1, 2, 0, 1}, dir / "c.h5", false), 0);
+    else
+      EXPECT_EQ(mismatches_at(c, {1, 2, 0, 1}, dir / "c.h5"), 0);
+  }
 }
 
 TEST(Validation, OverlapGapAndDtypeMismatchStopTheSaveBeforeAnyByteIsWritten) {
   ScratchDir dir;
   const auto path = dir / "c.h5";
   run_ranks(2, [&](ProcessGroup& g) {
-    HostBuffer b = HostBuffer::zeros(DType::f32, {4, 2});
+    SharedBuffer b = SharedBuffer::zeros(DType::f32, {4, 2});
     StateDict s;
-    s.add(ShardedTensor::of("t", b.view(), {8, 2}, {g.rank() * 4, 0}));
+    s.add(ShardedTensor::of("t", b, {8, 2}, {g.rank() * 4, 0}));
     save(s, path, g);
   });
   const std::string earlier = file_bytes(path);
@@ -168,10 +199,10 @@ TEST(Validation, OverlapGapAndDtypeMismatchStopTheSaveBeforeAnyByteIsWritten) {
     const auto codes = outcomes(
         2,
         [&](ProcessGroup& g) {
-          HostBuffer b =
-              HostBuffer::zeros(g.rank() == 1 ? k.dtype1 : DType::f32, {g.rank() == 1 && k.offset1 == 6 ? 2 : 4, 2});
+          SharedBuffer b =
+              SharedBuffer::zeros(g.rank() == 1 ? k.dtype1 : DType::f32, {g.rank() == 1 && k.offset1 == 6 ? 2 : 4, 2});
           StateDict s;
-          s.add(ShardedTensor::of("t", b.view(), {8, 2}, {g.rank() == 0 ? 0 : k.offset1, 0}));
+          s.add(ShardedTensor::of("t", b, {8, 2}, {g.rank() == 0 ? 0 : k.offset1, 0}));
           save(s, path, g);
         },
         &messages);
@@ -198,8 +229,8 @@ TEST(Failure, ARankThatDiesMidSaveLeavesTheEarlierCheckpointIntact) {
   for (int die_at : {1, 2, 3}) {
     const auto codes = outcomes(l.ranks(), [&](ProcessGroup& g) {
       demo::RankModel m = demo::build_rank(c, l, g.rank());
-      for (HostBuffer& b : m.shards)
-        for (bf16& x : b.mut_view().as<bf16>()) x = to_bf16(7.0f);  // a different model
+      for (const ShardedParam& p : m.state.params())
+        for (bf16& x : p.shard.mut_view().as<bf16>()) x = to_bf16(7.0f);  // a different model
       DyingGroup dying(g, g.rank() == 2 ? die_at : -1);
       save(m.state, path, dying);
     });
@@ -218,11 +249,11 @@ TEST(Failure, ARankThatFailsToWriteFailsEveryRank) {
   const auto codes = outcomes(
       3,
       [&](ProcessGroup& g) {
-        HostBuffer b = HostBuffer::zeros(DType::f32, {2, 2});
+        SharedBuffer b = SharedBuffer::zeros(DType::f32, {2, 2});
         StateDict s;
-        s.add(ShardedTensor::of("t", b.view(), {6, 2}, {g.rank() * 2, 0}));
+        s.add(ShardedTensor::of("t", b, {6, 2}, {g.rank() * 2, 0}));
         // Rank 1 is handed a key HDF5 cannot create a dataset for.
-        if (g.rank() == 1) s.add(ShardedTensor::of("bad/key", b.view(), {2, 2}, {0, 0}));
+        if (g.rank() == 1) s.add(ShardedTensor::of("bad/key", b, {2, 2}, {0, 0}));
         save(s, path, g);
       },
       &messages);
@@ -235,12 +266,12 @@ TEST(Groups, ThreadGroupCollectivesDeliverEveryRanksBytes) {
   run_ranks(5, [](ProcessGroup& g) {
     const std::byte mine[2] = {std::byte(g.rank()), std::byte(g.rank() * 2)};
     for (int round = 0; round < 50; ++round) {
-      const auto all = g.all_gather(mine);
+      const auto all = Probe::all_gather_of(g, mine);
       ASSERT_EQ(all.size(), 5u);
       for (int r = 0; r < 5; ++r) ASSERT_EQ(all[static_cast<std::size_t>(r)][1], std::byte(r * 2));
       const auto b = g.broadcast(mine, round % 5);
       ASSERT_EQ(b[0], std::byte(round % 5));
-      const auto at_root = g.gather(mine, round % 5);
+      const auto at_root = Probe::gather_of(g, mine, round % 5);
       ASSERT_EQ(at_root.size(), g.rank() == round % 5 ? 5u : 0u);
       if (!at_root.empty()) ASSERT_EQ(at_root[4][1], std::byte(8));
       g.barrier();
@@ -257,11 +288,11 @@ TEST(Validation, ManyClaimsAreCheckedPartByPart) {
     const auto codes = outcomes(
         2,
         [&](ProcessGroup& g) {
-          HostBuffer b = HostBuffer::zeros(DType::f32, {1, 1});
+          SharedBuffer b = SharedBuffer::zeros(DType::f32, {1, 1});
           StateDict s;
           for (int t = 0; t < tensors; ++t) {
             const std::int64_t row = t == bad ? 0 : g.rank();  // tensor `bad`: both ranks claim row 0
-            s.add(ShardedTensor::of("t" + std::to_string(t), b.view(), {2, 1}, {row, 0}));
+            s.add(ShardedTensor::of("t" + std::to_string(t), b, {2, 1}, {row, 0}));
           }
           save(s, dir / "many.h5", g);
         },
@@ -285,10 +316,10 @@ TEST(Consistency, ALoadThatOverlapsAReplaceLoadsOneCheckpointOrFailsTyped) {
   const auto path = dir / "c.h5";
   // A checkpoint whose every element and whose common value `tag` are `tag`.
   const auto save_tagged = [&](std::int64_t tag, const std::filesystem::path& file) {
-    HostBuffer b = HostBuffer::zeros(DType::i64, {256, 64});
+    SharedBuffer b = SharedBuffer::zeros(DType::i64, {256, 64});
     for (std::int64_t& x : b.mut_view().as<std::int64_t>()) x = tag;
     StateDict s;
-    s.add(ShardedTensor::of("t", b.view(), {256, 64}, {0, 0}));
+    s.add(ShardedTensor::of("t", b, {256, 64}, {0, 0}));
     s.add_common("tag", tag);
     save(s, file);
   };

@@ -105,7 +105,7 @@ bool large_save_fails_cleanly(const std::filesystem::path& path, IoMethod method
     ok = false;
   }
   const LoadedState loaded = load(path, demo::request(model(8), layout, 0));
-  return ok && demo::verify(model(8), layout, 0, loaded).mismatches == 0;
+  return ok && demo::verify(model(8), {}, 0, demo::request(model(8), layout, 0), loaded).mismatches == 0;
 }
 
 }  // namespace

@@ -13,6 +13,13 @@ using namespace shardckpt;
 
 namespace {
 
+// A claim on the slab at `offset` with extent `count`.
+Claim claim(std::string key, DType dtype, std::vector<std::int64_t> shape, std::vector<std::int64_t> offset,
+            std::vector<std::int64_t> count, int rank, bool writes) {
+  const Box box = footprint(key, shape, offset, count);
+  return {std::move(key), dtype, std::move(shape), box, rank, writes};
+}
+
 // Every claim of every (tp, gtp) rank of one parameter, as the save exchanges them.
 std::vector<Claim> all_claims(const ParamSpec& spec, std::int64_t gtp, std::int64_t align) {
   std::vector<Claim> claims;
@@ -20,8 +27,8 @@ std::vector<Claim> all_claims(const ParamSpec& spec, std::int64_t gtp, std::int6
     for (int g = 0; g < gtp; ++g) {
       RankPlan plan = plan_rank(spec, gtp, align, {t, g});
       for (const Piece& p : plan.pieces)
-        claims.push_back({p.key, DType::bf16, p.global_shape, p.global_offset, p.count, static_cast<int>(t * gtp + g),
-                          plan.main_replica});
+        claims.push_back(claim(p.key, DType::bf16, p.global_shape, p.global_offset, p.count,
+                               static_cast<int>(t * gtp + g), plan.main_replica));
     }
   return claims;
 }
@@ -254,8 +261,8 @@ TEST(Plan, ParamAtAnotherTpKeepsGlobalBlocks) {
 }
 
 TEST(Validation, OverlapNamesKeyRanksAndRows) {
-  std::vector<Claim> c{{"k", DType::f32, {10, 2}, {0, 0}, {6, 2}, 0, true},
-                       {"k", DType::f32, {10, 2}, {4, 0}, {6, 2}, 1, true}};
+  std::vector<Claim> c{claim("k", DType::f32, {10, 2}, {0, 0}, {6, 2}, 0, true),
+                       claim("k", DType::f32, {10, 2}, {4, 0}, {6, 2}, 1, true)};
   try {
     validate_claims(c);
     FAIL();
@@ -267,9 +274,9 @@ TEST(Validation, OverlapNamesKeyRanksAndRows) {
 }
 
 TEST(Validation, GapNamesKeyAndRows) {
-  std::vector<Claim> c{{"k", DType::f32, {10, 2}, {0, 0}, {4, 2}, 0, true},
-                       {"k", DType::f32, {10, 2}, {6, 0}, {4, 2}, 1, true},
-                       {"k", DType::f32, {10, 2}, {4, 0}, {2, 2}, 2, false}};  // a replica does not count
+  std::vector<Claim> c{claim("k", DType::f32, {10, 2}, {0, 0}, {4, 2}, 0, true),
+                       claim("k", DType::f32, {10, 2}, {6, 0}, {4, 2}, 1, true),
+                       claim("k", DType::f32, {10, 2}, {4, 0}, {2, 2}, 2, false)};  // a replica does not count
   try {
     validate_claims(c);
     FAIL();
@@ -280,8 +287,8 @@ TEST(Validation, GapNamesKeyAndRows) {
 }
 
 TEST(Validation, ColumnGapIsFoundInItsBand) {
-  std::vector<Claim> c{{"k", DType::f32, {4, 6}, {0, 0}, {4, 3}, 0, true},
-                       {"k", DType::f32, {4, 6}, {0, 3}, {2, 3}, 1, true}};
+  std::vector<Claim> c{claim("k", DType::f32, {4, 6}, {0, 0}, {4, 3}, 0, true),
+                       claim("k", DType::f32, {4, 6}, {0, 3}, {2, 3}, 1, true)};
   try {
     validate_claims(c);
     FAIL();
@@ -293,7 +300,7 @@ TEST(Validation, ColumnGapIsFoundInItsBand) {
 }
 
 TEST(Validation, DtypeAndShapeDisagreementAreTyped) {
-  std::vector<Claim> dt{{"k", DType::f32, {4}, {0}, {2}, 0, true}, {"k", DType::bf16, {4}, {2}, {2}, 3, true}};
+  std::vector<Claim> dt{claim("k", DType::f32, {4}, {0}, {2}, 0, true), claim("k", DType::bf16, {4}, {2}, {2}, 3, true)};
   try {
     validate_claims(dt);
     FAIL();
@@ -301,7 +308,7 @@ TEST(Validation, DtypeAndShapeDisagreementAreTyped) {
     EXPECT_EQ(e.code(), Errc::dtype_mismatch);
     EXPECT_NE(std::string(e.what()).find("rank 3 saves bf16"), std::string::npos) << e.what();
   }
-  std::vector<Claim> sh{{"k", DType::f32, {4}, {0}, {2}, 0, true}, {"k", DType::f32, {6}, {2}, {2}, 1, true}};
+  std::vector<Claim> sh{claim("k", DType::f32, {4}, {0}, {2}, 0, true), claim("k", DType::f32, {6}, {2}, {2}, 1, true)};
   try {
     validate_claims(sh);
     FAIL();

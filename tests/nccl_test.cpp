@@ -1,40 +1,63 @@
-// The NCCL process group on a real device. Without a CUDA device (this machine, CI) every test
-// skips, and says so.
+// The NCCL process group and the CUDA copy engine on real devices: metadata collectives, device
+// shards saved through a Saver's pinned pool, and a load in place at DP = ranks whose replicas read
+// one share each and hand each other their device rows through NCCL. Without a CUDA device (this
+// machine, CI) every test skips, and says so.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <memory>
 #include <vector>
 
 #include "test_support.hpp"
 import shardckpt;
+import shardckpt.cuda;
 import shardckpt.dist.nccl;
 import shardckpt.demo;
 
 using namespace shardckpt;
 
-TEST(Nccl, CollectivesAndASaveOverNccl) {
+namespace {
+
+struct Probe : ProcessGroup {
+  using ProcessGroup::all_gather_of;
+};
+
+}  // namespace
+
+TEST(Nccl, DeviceShardsSaveAndLoadInPlaceOverNccl) {
   if (NcclGroup::devices() == 0) GTEST_SKIP() << "no CUDA device";
   const int ranks = std::min(NcclGroup::devices(), 4);
   testing_support::ScratchDir dir;
   demo::ModelConfig c;
   c.gdp_layers = 1;
   c.mamba_layers = 1;
-  const demo::Layout l{1, ranks, 8, 1};
+  const demo::Training adam{.adam = true};
   run_ranks(ranks, [&](ProcessGroup& bootstrap) {
     NcclGroup group(bootstrap, bootstrap.rank());
     const std::byte mine[3] = {std::byte(group.rank()), std::byte(7), std::byte(group.rank() + 1)};
-    const auto all = group.all_gather(mine);
+    const auto all = Probe::all_gather_of(group, mine);
     ASSERT_EQ(static_cast<int>(all.size()), ranks);
     for (int r = 0; r < ranks; ++r) EXPECT_EQ(all[static_cast<std::size_t>(r)][2], std::byte(r + 1));
     EXPECT_EQ(group.broadcast(mine, 0)[1], std::byte(7));
     group.barrier();
-    demo::RankModel m = demo::build_rank(c, l, group.rank());
-    save(m.state, dir / "nccl.h5", group);
-    const demo::Verification v =
-        demo::verify(c, l, group.rank(), load(dir / "nccl.h5", demo::request(c, l, group.rank()), group));
+
+    CudaEngine engine(group.rank());
+    const demo::Placement device{MemoryKind::device, &engine};
+    demo::RankModel m = demo::build_rank(c, {1, ranks, 8, 1}, group.rank(), adam, device);
+    Saver saver(group, {.engine = &engine, .staging_buffer_bytes = 1 << 20});
+    saver.save(m.state, dir / "nccl.h5");
+
+    const demo::Layout at{1, 1, 0, ranks};
+    const StateDict model = demo::with_destinations(demo::request(c, at, group.rank(), adam), device);
+    const std::unique_ptr<ProcessGroup> replicas = group.split(0, group.rank());
+    const StagingPool pool(engine, 1 << 20);
+    const Values values = load_into(dir / "nccl.h5", model, group, {.staging = &pool}, replicas.get());
+    const demo::Verification v = demo::verify(c, adam, group.rank(), model, values, &engine);
     EXPECT_EQ(v.mismatches, 0) << v.first_mismatch;
+    EXPECT_GT(v.values, 0);
   });
 }
 

@@ -45,7 +45,7 @@ std::int64_t load_mismatches(const demo::ModelConfig& c, const demo::Layout& l, 
   std::atomic<std::int64_t> bad{0}, values{0};
   run_ranks(l.ranks(), [&](ProcessGroup& g) {
     const LoadedState s = load(path, demo::request(c, l, g.rank()), g);
-    const demo::Verification v = demo::verify(c, l, g.rank(), s);
+    const demo::Verification v = demo::verify(c, {}, g.rank(), demo::request(c, l, g.rank()), s);
     EXPECT_EQ(v.mismatches, 0) << v.first_mismatch;
     bad += v.mismatches;
     values += v.values;
@@ -65,8 +65,8 @@ Error error_of(Fn&& fn) {
   return Error(Errc::io, "none");
 }
 
-float as_f32(const HostBuffer& b, std::size_t i) {
-  return b.dtype() == DType::bf16 ? to_f32(b.view().as<bf16>()[i]) : b.view().as<float>()[i];
+float as_f32(TensorView b, std::size_t i) {
+  return b.dtype() == DType::bf16 ? to_f32(b.as<bf16>()[i]) : b.as<float>()[i];
 }
 
 }  // namespace
@@ -105,8 +105,8 @@ TEST(Save, NoPadRowReachesTheFile) {
     const auto specs = demo::params(c, l.tp);
     for (std::size_t p = 0; p < specs.size(); ++p) {
       const RankPlan plan = plan_rank(specs[p], l.gtp, l.align, {0, r});
-      HostBuffer& shard = models[static_cast<std::size_t>(r)].shards[p];
-      auto v = shard.mut_view().rows(plan.real_rows, plan.geometry.shard_rows()).as<bf16>();
+      const MutTensorView shard = models[static_cast<std::size_t>(r)].state.params()[p].shard.mut_view();
+      auto v = shard.rows(plan.real_rows, plan.geometry.shard_rows()).as<bf16>();
       for (auto& x : v) x = to_bf16(poison);
     }
   }
@@ -120,8 +120,8 @@ TEST(Save, NoPadRowReachesTheFile) {
     HostBuffer all = HostBuffer::zeros(d.dtype, Extents(std::span<const std::int64_t>(d.shape)));
     reader.read(d, zero, d.shape, all.mut_view(), {IoMethod::direct});
     for (std::int64_t i = 0; i < n; ++i) {
-      ASSERT_NE(as_f32(all, static_cast<std::size_t>(i)), to_f32(to_bf16(poison))) << d.key << " element " << i;
-      ASSERT_EQ(as_f32(all, static_cast<std::size_t>(i)),
+      ASSERT_NE(as_f32(all.view(), static_cast<std::size_t>(i)), to_f32(to_bf16(poison))) << d.key << " element " << i;
+      ASSERT_EQ(as_f32(all.view(), static_cast<std::size_t>(i)),
                 to_f32(to_bf16(demo::pattern(d.key, static_cast<std::uint64_t>(i)))));
     }
     total += n;
@@ -189,8 +189,8 @@ TEST(Load, HyperslabAndDirectPathsAgree) {
     const LoadedState a = load(dir / "d.h5", demo::request(c, l, r), {IoMethod::hyperslab});
     const LoadedState b = load(dir / "h.h5", demo::request(c, l, r), {IoMethod::direct});
     for (const ParamSpec& p : demo::params(c, l.tp)) {
-      const HostBuffer& x = a.tensor(p.key);
-      const HostBuffer& y = b.tensor(p.key);
+      const SharedBuffer& x = a.tensor(p.key);
+      const SharedBuffer& y = b.tensor(p.key);
       ASSERT_EQ(x.bytes(), y.bytes());
       EXPECT_EQ(std::memcmp(x.view().data(), y.view().data(), x.bytes()), 0) << p.key;
     }
@@ -209,19 +209,19 @@ class SeedScale : public ::testing::Test {
   static float value(std::int64_t row, std::int64_t col) { return static_cast<float>(row * 2 + col + 1); }
 
   struct Rank {
-    HostBuffer fused, split;
+    SharedBuffer fused, split;
     StateDict state;
   };
   Rank build(int g) const {
     Rank r;
-    ShardedParam f{fused, G, 32, {0, g}, DType::f32, 0, {}};
-    ShardedParam s{split, G, 0, {0, g}, DType::f32, 0, {}};
-    r.fused = HostBuffer::zeros(DType::f32, f.shard_shape());
-    r.split = HostBuffer::zeros(DType::f32, s.shard_shape());
+    ShardedParam f{fused, G, 32, {0, g}, DType::f32};
+    ShardedParam s{split, G, 0, {0, g}, DType::f32};
+    r.fused = SharedBuffer::zeros(DType::f32, f.shard_shape());
+    r.split = SharedBuffer::zeros(DType::f32, s.shard_shape());
     fill(r.fused, f);
     fill(r.split, s);
-    f.shard = r.fused.view();
-    s.shard = r.split.view();
+    f.shard = r.fused;
+    s.shard = r.split;
     r.state.add(f);
     r.state.add(s);
     r.state.add_common("iteration", std::int64_t{42});
@@ -229,7 +229,7 @@ class SeedScale : public ::testing::Test {
     r.state.add_local("rng", std::int64_t{1000 + g});
     return r;
   }
-  static void fill(HostBuffer& b, const ShardedParam& p) {
+  static void fill(const SharedBuffer& b, const ShardedParam& p) {
     const GtpGeometry geo = p.geometry();
     const RowRange real = geo.real_rows(p.coord.gtp_rank);
     auto v = b.mut_view().as<float>();
@@ -238,13 +238,13 @@ class SeedScale : public ::testing::Test {
   }
   StateDict request(int g) const {
     StateDict s;
-    s.add(ShardedParam{fused, G, 32, {0, g}, DType::f32, 0, {}});
-    s.add(ShardedParam{split, G, 0, {0, g}, DType::f32, 0, {}});
+    s.add(ShardedParam{fused, G, 32, {0, g}, DType::f32});
+    s.add(ShardedParam{split, G, 0, {0, g}, DType::f32});
     s.add_local("rng", std::int64_t{1000 + g});
     return s;
   }
   void check(int g, const LoadedState& s) const {
-    const HostBuffer& f = s.tensor(fused.key);
+    const SharedBuffer& f = s.tensor(fused.key);
     EXPECT_EQ(f.shape(), (Extents{992, 2})) << g;
     const auto v = f.view().as<float>();
     const std::int64_t real = GtpGeometry::make(61'760, G, 32).real_count(g);
@@ -293,7 +293,7 @@ TEST_F(SeedScale, FullPartlyPaddedAndPaddingOnlyRanksRoundTripOnTheLocalPath) {
   for (const DatasetInfo& d : r63.datasets()) EXPECT_NE(d.key.rfind(fused.key, 0), 0u) << d.key;
   // A local checkpoint only loads at the layout that wrote it.
   StateDict other;
-  other.add(ShardedParam{fused, G, 32, {0, 61}, DType::f32, 0, {}});
+  other.add(ShardedParam{fused, G, 32, {0, 61}, DType::f32});
   EXPECT_EQ(error_of([&] { (void)load_local(dir / "rank0.h5", other); }).code(), Errc::missing_key);
 }
 
@@ -320,7 +320,7 @@ TEST(Errors, BadRequestsAreTypedAndChangeNothing) {
 
   StateDict missing;
   missing.add(ShardedParam{
-      ParamSpec{"nope.weight", plain_sections(8), {24}, TpAxis::rows, 1}, 2, 8, {0, 0}, DType::bf16, 0, {}});
+      ParamSpec{"nope.weight", plain_sections(8), {24}, TpAxis::rows, 1}, 2, 8, {0, 0}, DType::bf16});
   Error e = error_of([&] { (void)load(dir / "a.h5", missing); });
   EXPECT_EQ(e.code(), Errc::missing_key);
   EXPECT_NE(std::string(e.what()).find("nope.weight"), std::string::npos) << e.what();
@@ -328,13 +328,13 @@ TEST(Errors, BadRequestsAreTypedAndChangeNothing) {
   StateDict wrong_shape;
   ParamSpec bigger = in_proj;
   bigger.sections[0].rows += 1;
-  wrong_shape.add(ShardedParam{bigger, 2, 8, {0, 0}, DType::bf16, 0, {}});
+  wrong_shape.add(ShardedParam{bigger, 2, 8, {0, 0}, DType::bf16});
   e = error_of([&] { (void)load(dir / "a.h5", wrong_shape); });
   EXPECT_EQ(e.code(), Errc::shape_mismatch);
   EXPECT_NE(std::string(e.what()).find(".z: the checkpoint holds global shape"), std::string::npos) << e.what();
 
   StateDict wrong_dtype;
-  wrong_dtype.add(ShardedParam{in_proj, 2, 8, {0, 1}, DType::f32, 0, {}});
+  wrong_dtype.add(ShardedParam{in_proj, 2, 8, {0, 1}, DType::f32});
   EXPECT_EQ(error_of([&] { (void)load(dir / "a.h5", wrong_dtype); }).code(), Errc::dtype_mismatch);
 
   EXPECT_EQ(error_of([&] { (void)load(dir / "nothing.h5", missing); }).code(), Errc::not_a_checkpoint);
@@ -350,7 +350,9 @@ TEST(Errors, AShardThatDoesNotFitItsSectionsStopsTheSaveAndKeepsTheEarlierCheckp
   const ParamSpec in_proj = demo::params(c, 1)[0];
   HostBuffer wrong = HostBuffer::zeros(DType::bf16, {in_proj.rows() - 1, 24});
   StateDict s;
-  s.add(ShardedParam{in_proj, 1, 0, {0, 0}, DType::bf16, 0, wrong.view()});
+  ShardedParam entry{in_proj, 1, 0, {0, 0}, DType::bf16};
+  entry.shard = SharedBuffer(std::move(wrong));
+  s.add(std::move(entry));
   const Error e = error_of([&] { save(s, dir / "a.h5"); });
   EXPECT_EQ(e.code(), Errc::shape_mismatch);
   EXPECT_NE(std::string(e.what()).find("(TP rank 0, GTP rank 0): the shard has shape"), std::string::npos) << e.what();
@@ -364,7 +366,7 @@ TEST(StateDicts, KeysAreUniqueAcrossKinds) {
   EXPECT_EQ(error_of([&] { s.add_local("k", std::int64_t{2}); }).code(), Errc::invalid_argument);
   EXPECT_EQ(
       error_of([&] {
-        s.add(ShardedParam{ParamSpec{"p", plain_sections(4), {}, TpAxis::rows, 1}, 2, 0, {0, 2}, DType::f32, 0, {}});
+        s.add(ShardedParam{ParamSpec{"p", plain_sections(4), {}, TpAxis::rows, 1}, 2, 0, {0, 2}, DType::f32});
       }).code(),
       Errc::invalid_argument);  // GTP rank 2 of a group of 2
 }

@@ -25,11 +25,14 @@ struct DemoFlags {
   std::string out;
   ModelFlags model;
   LayoutFlags save;
-  demo::Layout load{1, 0, 8, 1};
+  TrainingFlags training;
+  DeviceFlags device;
+  demo::Layout load{1, 0, 8, 0};
   bool load_align_given = false;
   std::string method = "direct";
   bool no_checksums = false;
   bool phases = false;
+  bool async = false;
 };
 
 // The reload layout: by default as many ranks as the save, and never the very layout that saved.
@@ -38,41 +41,56 @@ demo::Layout reload_layout(const DemoFlags& f, const demo::Layout& saved) {
   if (l.gtp == 0) l.gtp = std::max(1, saved.tp * saved.gtp / l.tp);
   if (!f.load_align_given && l.tp == saved.tp && l.gtp == saved.gtp && l.align == saved.align)
     l.align = saved.align == 8 ? 4 : 8;
-  l.dp = saved.dp;
+  if (l.dp == 0) l.dp = saved.dp;
   return l;
 }
 
 struct Saved {
   double seconds = 0;
-  std::int64_t shard_bytes = 0, pad_rows = 0;
+  double blocking_seconds = 0;  // how long the caller waited (the async save's staging)
+  std::int64_t shard_bytes = 0, pad_rows = 0, staging_bytes = 0;
 };
 
 Saved save_model(const DemoFlags& f, const demo::ModelConfig& config, const demo::Layout& layout, const Global& g) {
   Saved out;
   std::mutex m;
-  ProgressLine progress("saving ", demo::model_bytes(config) / (f.save.mpi ? layout.ranks() : 1), g,
+  const demo::Training training = f.training.get();
+  ProgressLine progress("saving ", demo::model_bytes(config, f.training.get()) / (f.save.mpi ? layout.ranks() : 1), g,
                         is_root(f.save.mpi));
   run_job(f.save.mpi, layout.ranks(), [&](ProcessGroup& group) {
-    demo::RankModel rank = demo::build_rank(config, layout, group.rank());
-    {
-      const std::lock_guard lock(m);
-      out.shard_bytes += rank.shard_bytes;
-      out.pad_rows += rank.pad_rows;
-    }
-    group.barrier();
-    const auto t0 = std::chrono::steady_clock::now();
+    const RankDevice device = open_device(f.device.device, group.rank(), 0);
+    demo::RankModel rank = demo::build_rank(config, layout, group.rank(), training, device.placement);
     const auto phase = [&](SavePhase p) {
       if (f.phases) std::fprintf(stderr, "shardckpt: save phase: %s\n", std::string(save_phase_name(p)).c_str());
     };
-    save(rank.state, f.out, group,
-         {.method = method_of(f.method), .checksums = !f.no_checksums, .on_phase = phase,
-          .progress = progress.callback()});
+    Saver saver(group, {.engine = device.engine.get(),
+                        .staging_buffer_bytes = staging_buffer_bytes(rank.shard_bytes),
+                        .save = {.method = method_of(f.method),
+                                 .checksums = !f.no_checksums,
+                                 .on_phase = phase,
+                                 .progress = progress.callback()}});
+    group.barrier();
+    const auto t0 = std::chrono::steady_clock::now();
+    double blocking = 0;
+    if (f.async) {
+      AsyncSave pending = saver.save_async(rank.state, f.out);
+      blocking = seconds_since(t0);
+      pending.wait();
+    } else {
+      saver.save(rank.state, f.out);
+    }
+    const std::lock_guard lock(m);
     if (group.rank() == 0) out.seconds = seconds_since(t0);
+    out.blocking_seconds = std::max(out.blocking_seconds, f.async ? blocking : out.seconds);
+    out.shard_bytes += rank.shard_bytes;
+    out.pad_rows += rank.pad_rows;
+    out.staging_bytes += static_cast<std::int64_t>(saver.staging_bytes());
   });
-  std::int64_t totals[2] = {out.shard_bytes, out.pad_rows};
+  std::int64_t totals[3] = {out.shard_bytes, out.pad_rows, out.staging_bytes};
   sum_over_job(f.save.mpi, totals);
   out.shard_bytes = totals[0];
   out.pad_rows = totals[1];
+  out.staging_bytes = totals[2];
   return out;
 }
 
@@ -86,16 +104,26 @@ Checked load_and_check(const DemoFlags& f, const demo::ModelConfig& config, cons
                        const Global& g) {
   Checked out;
   std::mutex m;
-  ProgressLine progress("loading", demo::model_bytes(config) * layout.dp / (f.save.mpi ? layout.ranks() : 1), g,
+  const demo::Training training = f.training.get();
+  ProgressLine progress("loading", demo::model_bytes(config, f.training.get()) / (f.save.mpi ? layout.ranks() : 1), g,
                         is_root(f.save.mpi));
   const auto t0 = std::chrono::steady_clock::now();
   run_job(f.save.mpi, layout.ranks(), [&](ProcessGroup& group) {
-    const LoadedState loaded = load(f.out, demo::request(config, layout, group.rank()), group,
-                                    {.method = method_of(f.method), .progress = progress.callback()});
+    const RankDevice device =
+        open_device(f.device.device, group.rank(), demo::model_bytes(config, training) / layout.ranks());
+    // The model's own tensors, where they live, filled in place.
+    const StateDict model =
+        demo::with_destinations(demo::request(config, layout, group.rank(), training), device.placement);
+    const std::unique_ptr<ProcessGroup> replicas = replica_group(group, layout);
+    const Values values = load_into(f.out, model, group,
+                                    {.method = method_of(f.method),
+                                     .progress = progress.callback(),
+                                     .staging = device.staging()},
+                                    replicas.get());
     group.barrier();
+    const demo::Verification v = demo::verify(config, training, group.rank(), model, values, device.engine.get());
     const std::lock_guard lock(m);
     if (group.rank() == 0) out.seconds = seconds_since(t0);
-    const demo::Verification v = demo::verify(config, layout, group.rank(), loaded);
     out.values += v.values;
     out.pad_rows += v.pad_rows;
     if (v.mismatches && !out.mismatches) out.first_mismatch = v.first_mismatch;
@@ -112,15 +140,22 @@ Checked load_and_check(const DemoFlags& f, const demo::ModelConfig& config, cons
 void report(const DemoFlags& f, const demo::ModelConfig& config, const demo::Layout& saved_at,
             const demo::Layout& loaded_at, const Saved& s, const Checked& c, const Global& g) {
   const CheckpointReader reader(f.out);
-  const std::int64_t bytes = demo::model_bytes(config);
+  const std::int64_t bytes = demo::model_bytes(config, f.training.get());
   const double save_gbps = static_cast<double>(bytes) / s.seconds / 1e9;
-  const double load_gbps = static_cast<double>(bytes) * loaded_at.dp / c.seconds / 1e9;
+  const double load_gbps = static_cast<double>(bytes) / c.seconds / 1e9;
+  const demo::Training training = f.training.get();
   if (g.json) {
     print_json(json{{"file", f.out},
                     {"tensors", reader.datasets().size()},
                     {"params", reader.contents().params.size()},
                     {"bytes", bytes},
                     {"checksums", reader.checksummed()},
+                    {"device", f.device.device},
+                    {"optimizer", f.training.optimizer},
+                    {"distributed_optimizer", training.distributed},
+                    {"async", f.async},
+                    {"blocking_seconds", s.blocking_seconds},
+                    {"staging_bytes", s.staging_bytes},
                     {"save_layout", demo::layout_json(saved_at)},
                     {"load_layout", demo::layout_json(loaded_at)},
                     {"save_seconds", s.seconds},
@@ -137,13 +172,17 @@ void report(const DemoFlags& f, const demo::ModelConfig& config, const demo::Lay
                    .dump());
     return;
   }
-  std::printf("shardckpt demo: %d GDP + %d Mamba layers, %s\n", config.gdp_layers, config.mamba_layers,
-              std::string(dtype_name(config.dtype)).c_str());
+  std::printf("shardckpt demo: %d GDP + %d Mamba layers, %s, shards in %s memory%s\n", config.gdp_layers,
+              config.mamba_layers, std::string(dtype_name(config.dtype)).c_str(), f.device.device.c_str(),
+              training.adam ? (training.distributed ? ", Adam state (distributed optimizer)" : ", Adam state") : "");
   std::printf("  saved   %zu tensors (%zu fused/plain parameters), %s at %s in %.3f s (%.2f GB/s) -> %s\n",
               reader.datasets().size(), reader.contents().params.size(), mib_text(bytes).c_str(),
               demo::layout_text(saved_at).c_str(), s.seconds, save_gbps, f.out.c_str());
   std::printf("  pad rows skipped: %lld (never written); every row %s\n", static_cast<long long>(s.pad_rows),
               reader.checksummed() ? "checksummed (XXH3-64)" : "without checksums (--no-checksums)");
+  if (f.async)
+    std::printf("  async: the caller was blocked %.3f s (staging into %s of pinned memory), the save took %.3f s\n",
+                s.blocking_seconds, mib_text(s.staging_bytes).c_str(), s.seconds);
   std::printf("  loaded  at %s in %.3f s (%.2f GB/s)%s\n", demo::layout_text(loaded_at).c_str(), c.seconds, load_gbps,
               reader.checksummed() ? ", every byte read checked against its checksum" : "");
   std::printf("  verified %lld values and %lld pad rows: %s\n", static_cast<long long>(c.values),
@@ -164,10 +203,14 @@ Runner add_demo(CLI::App& app, Global& global) {
   const auto parallel = CLI::Range(1, static_cast<int>(max_parallel));
   cmd->add_option("--load-tp", f->load.tp, "TP of the reload")->check(parallel)->capture_default_str();
   cmd->add_option("--load-gtp", f->load.gtp, "GTP of the reload (default: the save's ranks / load TP)")->check(parallel);
+  cmd->add_option("--load-dp", f->load.dp, "DP of the reload (default: the save's)")->check(parallel);
   cmd->add_option("--load-align", f->load.align, "alignment of the reload (default 8, or 4 if that equals the save)")
       ->check(CLI::Range(std::int64_t{0}, max_align));
   cmd->add_flag("--no-checksums", f->no_checksums, "save without checksums (loads then cannot check what they read)");
   cmd->add_flag("--phases", f->phases, "print each phase of the save on standard error as it begins");
+  cmd->add_flag("--async", f->async, "save in the background: return once the shards are staged in pinned memory");
+  f->training.add(*cmd);
+  f->device.add(*cmd);
   add_method(*cmd, f->method);
   add_json(*cmd, global);
   return [f, cmd, &global] {

@@ -25,9 +25,11 @@ using json = nlohmann::json;
 struct LoadFlags {
   std::string file;
   LayoutFlags layout;
+  DeviceFlags device;
   std::string method = "direct";
   bool verify = false;
   bool no_checksums = false;
+  bool distributed = false;
 };
 
 struct Outcome {
@@ -35,25 +37,6 @@ struct Outcome {
   std::int64_t bytes = 0, values = 0, pad_rows = 0, mismatches = 0;
   std::string first_mismatch;
 };
-
-// Rows past the real ones of every loaded parameter shard must be zero.
-std::int64_t nonzero_pad_rows(const StateDict& request, const LoadedState& loaded, std::int64_t& rows,
-                              std::string& first) {
-  std::int64_t bad = 0;
-  for (const ShardedParam& p : request.params()) {
-    const RankPlan plan = plan_rank(p.spec, p.gtp, p.align, p.coord);
-    const TensorView shard = loaded.tensor(p.spec.key).view();
-    const TensorView pad = shard.rows(plan.real_rows, shard.rows());
-    rows += pad.rows();
-    const auto* bytes = pad.data();
-    for (std::size_t i = 0; i < pad.bytes(); ++i)
-      if (bytes[i] != std::byte{0}) {
-        if (bad++ == 0) first = cat(p.spec.key, ": a pad row is not zero");
-        break;
-      }
-  }
-  return bad;
-}
 
 std::int64_t shard_bytes(const StateDict& request) {
   std::int64_t n = 0;
@@ -69,25 +52,31 @@ Outcome run(const LoadFlags& f, const demo::Layout& layout, const CheckpointRead
   std::int64_t model = 0;
   for (const DatasetInfo& d : reader.datasets())
     model += element_count(d.shape) * static_cast<std::int64_t>(dtype_size(d.dtype));
-  ProgressLine progress("loading", model * layout.dp / (f.layout.mpi ? layout.ranks() : 1), g, is_root(f.layout.mpi));
+  ProgressLine progress("loading", model / (f.layout.mpi ? layout.ranks() : 1), g, is_root(f.layout.mpi));
   const auto t0 = std::chrono::steady_clock::now();
   run_job(f.layout.mpi, layout.ranks(), [&](ProcessGroup& group) {
     const demo::RankCoord c = demo::coord_of(layout, group.rank());
-    const StateDict request = request_all(reader, {layout.tp, layout.gtp, layout.align, {c.tp, c.gtp}, c.dp});
-    const LoadedState loaded = load(f.file, request, group,
-                                    {.method = method_of(f.method),
-                                     .verify_checksums = !f.no_checksums,
-                                     .expect_id = reader.contents().id,
-                                     .progress = progress.callback()});
+    const RankDevice device = open_device(f.device.device, group.rank(), model / layout.ranks());
+    const StateDict model = demo::with_destinations(
+        request_all(reader, {layout.tp, layout.gtp, layout.align, {c.tp, c.gtp}, c.dp, layout.dp, f.distributed}),
+        device.placement);
+    const std::unique_ptr<ProcessGroup> replicas = replica_group(group, layout);
+    (void)load_into(f.file, model, group,
+                    {.method = method_of(f.method),
+                     .verify_checksums = !f.no_checksums,
+                     .expect_id = reader.contents().id,
+                     .progress = progress.callback(),
+                     .staging = device.staging()},
+                    replicas.get());
     group.barrier();
+    const demo::Verification v =
+        f.verify ? demo::verify_tensors(model, group.rank(), device.engine.get(), demo_model.has_value())
+                 : demo::Verification{};
     const std::lock_guard lock(m);
     if (group.rank() == 0) out.seconds = seconds_since(t0);
-    out.bytes += shard_bytes(request);
-    if (!f.verify) return;
-    out.mismatches += nonzero_pad_rows(request, loaded, out.pad_rows, out.first_mismatch);
-    if (!demo_model) return;
-    const demo::Verification v = demo::verify_tensors(*demo_model, layout, group.rank(), loaded);
+    out.bytes += shard_bytes(model);
     out.values += v.values;
+    out.pad_rows += v.pad_rows;
     if (v.mismatches && !out.mismatches) out.first_mismatch = v.first_mismatch;
     out.mismatches += v.mismatches;
   });
@@ -104,6 +93,10 @@ Runner add_load(CLI::App& app, Global& global) {
   auto* cmd = app.add_subcommand("load", "load every tensor of a checkpoint at a layout, checking what is read");
   cmd->add_option("file", f->file, "checkpoint to load")->required();
   f->layout.add(*cmd, true);
+  f->device.add(*cmd);
+  cmd->add_flag("--distributed-optimizer", f->distributed,
+                "load the optimizer state (optimizer.state.*) in each DP rank's flat range, as a distributed "
+                "optimizer holds it");
   cmd->add_flag("--verify", f->verify,
                 "also check that pad rows are zero and, for a demo checkpoint, every value against the pattern");
   cmd->add_flag("--no-checksums", f->no_checksums, "do not check the bytes read against their checksums");
@@ -121,6 +114,8 @@ Runner add_load(CLI::App& app, Global& global) {
     if (global.json) {
       print_json(json{{"file", f->file},
                       {"layout", demo::layout_json(layout)},
+                      {"device", f->device.device},
+                      {"distributed_optimizer", f->distributed},
                       {"seconds", o.seconds},
                       {"bytes", o.bytes},
                       {"checksums_checked", checksums},

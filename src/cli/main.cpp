@@ -42,7 +42,9 @@ bool wants_mpi(int argc, char** argv) {
 int main(int argc, char** argv) {
 #ifdef SHARDCKPT_HAVE_MPI
   const bool mpi = wants_mpi(argc, argv);
-  if (mpi) MPI_Init(&argc, &argv);
+  // Async saves run collectives on a thread of their own.
+  int provided = 0;
+  if (mpi) MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
 #else
   (void)wants_mpi;
 #endif

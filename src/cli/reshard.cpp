@@ -48,7 +48,7 @@ Runner add_reshard(CLI::App& app, Global& global) {
         StateDict state;
         for (const ShardedParam& p : request.params()) {
           ShardedParam entry = p;
-          entry.shard = loaded.tensor(p.spec.key).view();
+          entry.shard = loaded.tensor(p.spec.key);
           state.add(std::move(entry));
         }
         for (const auto& [key, value] : reader.contents().common) state.add_common(key, value);

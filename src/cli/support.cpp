@@ -20,6 +20,9 @@ module shardckpt.cli;
 #ifdef SHARDCKPT_HAVE_MPI
 import shardckpt.dist.mpi;
 #endif
+#ifdef SHARDCKPT_HAVE_CUDA
+import shardckpt.cuda;
+#endif
 
 namespace shardckpt::cli {
 
@@ -92,6 +95,62 @@ demo::Layout LayoutFlags::resolve() const {
           " ranks is more than ", mpi ? max_parallel * 16 : max_thread_ranks,
           mpi ? "" : " threads of one process (use --mpi for more)");
   return l;
+}
+
+void DeviceFlags::add(CLI::App& cmd) {
+  cmd.add_option("--device", device,
+                 "where the shards live: host, pinned (host memory pinned for copies), emulated (a device the host "
+                 "cannot touch, through a copy engine), cuda (CUDA device: rank mod devices)")
+      ->check(CLI::IsMember({"host", "pinned", "emulated", "cuda"}))
+      ->capture_default_str();
+}
+
+std::size_t staging_buffer_bytes(std::int64_t rank_bytes) {
+  return static_cast<std::size_t>(
+      std::clamp<std::int64_t>(rank_bytes, 1 << 20, static_cast<std::int64_t>(StagingPool::default_buffer_bytes)));
+}
+
+RankDevice open_device(const std::string& device, int rank, std::int64_t rank_bytes) {
+  RankDevice out;
+  if (device == "host") return out;
+  if (device == "pinned") {
+    out.placement.memory = MemoryKind::pinned;
+    return out;
+  }
+  if (device == "emulated") {
+    out.engine = std::make_unique<EmulatedDevice>();
+  } else {
+#ifdef SHARDCKPT_HAVE_CUDA
+    const int devices = CudaEngine::devices();
+    require(devices > 0, Errc::device, "--device cuda: no CUDA device is available");
+    out.engine = std::make_unique<CudaEngine>(rank % devices);
+#else
+    (void)rank;
+    throw Error(Errc::device, "--device cuda: this build has no CUDA support");
+#endif
+  }
+  out.placement = {MemoryKind::device, out.engine.get()};
+  out.pool.emplace(*out.engine, staging_buffer_bytes(rank_bytes));
+  return out;
+}
+
+void TrainingFlags::add(CLI::App& cmd) {
+  cmd.add_option("--optimizer", optimizer, "optimizer state saved with the weights (adam: exp_avg, exp_avg_sq and "
+                                           "fp32_param per parameter, in f32)")
+      ->check(CLI::IsMember({"none", "adam"}))
+      ->capture_default_str();
+  cmd.add_flag("--distributed-optimizer", distributed,
+               "each DP rank holds a flat range of every optimizer state shard (needs --optimizer adam)");
+}
+
+demo::Training TrainingFlags::get() const {
+  require(!distributed || optimizer == "adam", Errc::invalid_argument, "--distributed-optimizer needs --optimizer adam");
+  return {optimizer == "adam", distributed};
+}
+
+std::unique_ptr<ProcessGroup> replica_group(ProcessGroup& group, const demo::Layout& layout) {
+  const demo::RankCoord c = demo::coord_of(layout, group.rank());
+  return group.split(c.tp * layout.gtp + c.gtp, c.dp);
 }
 
 void run_job(bool mpi, int ranks, const std::function<void(ProcessGroup&)>& fn) {

@@ -1,0 +1,108 @@
+// shardckpt.engine: how bytes move between a device and the host. A CopyEngine is the only way
+// device bytes reach the host or host bytes a device: it copies asynchronously on its own stream, in
+// order, and fences order its work with the caller's. The CUDA engine (shardckpt.cuda, built when the
+// CUDA toolkit is found) sits on top of this interface; EmulatedDevice, here, is a device whose memory
+// the host cannot touch (any access outside the engine's copies crashes), for tests and for machines
+// without a GPU. A StagingPool is a fixed set of pinned buffers through which device rows go to and
+// from files. This module does no file I/O.
+module;
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string_view>
+#include <vector>
+export module shardckpt.engine;
+import shardckpt.core;
+import shardckpt.views;
+
+export namespace shardckpt {
+
+// A point in an engine's stream: waiting for it waits for all work enqueued before it.
+using Fence = std::uint64_t;
+
+// What an engine did since it was made, for tests and reports.
+struct EngineStats {
+  std::uint64_t device_allocations = 0, device_bytes = 0;
+  std::uint64_t pinned_allocations = 0, pinned_bytes = 0;
+  std::uint64_t copies_to_host = 0, bytes_to_host = 0;
+  std::uint64_t copies_to_device = 0, bytes_to_device = 0;
+  std::uint64_t zero_fills = 0;
+};
+
+class CopyEngine {
+ public:
+  virtual ~CopyEngine() = default;
+  virtual std::string_view name() const noexcept = 0;
+  // The device whose memory this engine moves.
+  virtual MemorySpace device() const noexcept = 0;
+  // Host memory the engine copies at full speed (pinned). Allocate once, reuse.
+  virtual SharedBuffer allocate_pinned(std::size_t bytes) = 0;
+  // Device memory, for tests and tools: a trainer brings its own and borrows it.
+  virtual SharedBuffer allocate_device(DType dtype, Extents shape) = 0;
+  // Asynchronous, in order on the engine's stream. The views must have the same bytes; `host`
+  // must stay alive and untouched until a later fence is waited for.
+  virtual void copy_to_host(TensorView device_src, MutTensorView host_dst) = 0;
+  virtual void copy_to_device(TensorView host_src, MutTensorView device_dst) = 0;
+  virtual void zero(MutTensorView device_dst) = 0;
+  virtual Fence fence() = 0;
+  virtual void wait(Fence fence) = 0;
+  virtual EngineStats stats() const = 0;
+  // Free memory on the device as the device reports it (0 where it cannot tell).
+  virtual std::size_t free_device_memory() const { return 0; }
+};
+
+// Page-aligned host memory locked with mlock where the system allows (what pinned means without
+// a CUDA driver), in the pinned memory space.
+SharedBuffer allocate_locked(std::size_t bytes);
+
+// An emulated device: its memory is mapped PROT_NONE except while the engine's own thread copies or
+// zeroes it, so that any host access to device memory outside the engine crashes the process.
+class EmulatedDevice final : public CopyEngine {
+ public:
+  explicit EmulatedDevice(int id = 0);
+  EmulatedDevice(const EmulatedDevice&) = delete;
+  EmulatedDevice& operator=(const EmulatedDevice&) = delete;
+  ~EmulatedDevice() override;
+
+  std::string_view name() const noexcept override { return "emulated"; }
+  MemorySpace device() const noexcept override;
+  SharedBuffer allocate_pinned(std::size_t bytes) override;
+  SharedBuffer allocate_device(DType dtype, Extents shape) override;
+  void copy_to_host(TensorView device_src, MutTensorView host_dst) override;
+  void copy_to_device(TensorView host_src, MutTensorView device_dst) override;
+  void zero(MutTensorView device_dst) override;
+  Fence fence() override;
+  void wait(Fence fence) override;
+  EngineStats stats() const override;
+  std::size_t free_device_memory() const override;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// A fixed number of pinned buffers of a fixed size, allocated once (when the pool is made) and reused
+// for every transfer: what staging device rows through the host costs, whatever the model's size.
+class StagingPool {
+ public:
+  // Default: two buffers of 64 MiB, so that copying one overlaps with writing (or reading) the other.
+  static constexpr std::size_t default_buffer_bytes = std::size_t{64} << 20;
+  StagingPool(CopyEngine& engine, std::size_t buffer_bytes = default_buffer_bytes, int buffers = 2);
+
+  CopyEngine& engine() const noexcept [[clang::lifetimebound]] { return *engine_; }
+  int buffers() const noexcept { return static_cast<int>(buffers_.size()); }
+  std::size_t buffer_bytes() const noexcept { return buffer_bytes_; }
+  std::size_t bytes() const noexcept { return buffer_bytes_ * buffers_.size(); }
+  // Buffer `i` seen as `rows` rows shaped like `like` (its dtype and trailing dims), in pinned memory.
+  // Throws Errc::invalid_argument when they do not fit.
+  MutTensorView rows_of(int i, TensorView like, std::int64_t rows) const;
+  // How many rows of `like` one buffer holds (at least one, or Errc::invalid_argument).
+  std::int64_t rows_per_buffer(TensorView like) const;
+
+ private:
+  CopyEngine* engine_;
+  std::size_t buffer_bytes_;
+  std::vector<SharedBuffer> buffers_;
+};
+
+}  // namespace shardckpt

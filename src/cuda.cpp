@@ -1,0 +1,165 @@
+module;
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <utility>
+module shardckpt.cuda;
+
+namespace shardckpt {
+namespace {
+
+void check(cudaError_t rc, const char* what) {
+  if (rc != cudaSuccess) throw Error(Errc::device, cat("CUDA ", what, " failed: ", cudaGetErrorString(rc)));
+}
+
+}  // namespace
+
+// Fences are numbered; each is an event recorded on the stream, kept until it is waited for.
+struct CudaEngine::Impl {
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  std::mutex mutex;
+  std::deque<std::pair<Fence, cudaEvent_t>> events;  // recorded, not yet waited for, in order
+  Fence recorded = 0, reached = 0;
+  std::atomic<std::uint64_t> device_allocations{0}, device_bytes{0}, pinned_allocations{0}, pinned_bytes{0},
+      copies_to_host{0}, bytes_to_host{0}, copies_to_device{0}, bytes_to_device{0}, zero_fills{0};
+
+  void use() const { check(cudaSetDevice(device), "cudaSetDevice"); }
+};
+
+int CudaEngine::devices() noexcept {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no driver" error
+    return 0;
+  }
+  return n;
+}
+
+CudaEngine::CudaEngine(int device) : impl_(std::make_unique<Impl>()) {
+  require(device >= 0 && device < devices(), Errc::device, "CUDA device ", device, " is not available (", devices(),
+          " devices)");
+  impl_->device = device;
+  impl_->use();
+  check(cudaStreamCreateWithFlags(&impl_->stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+}
+
+CudaEngine::~CudaEngine() {
+  cudaSetDevice(impl_->device);
+  cudaStreamSynchronize(impl_->stream);
+  for (auto& [fence, event] : impl_->events) cudaEventDestroy(event);
+  cudaStreamDestroy(impl_->stream);
+}
+
+MemorySpace CudaEngine::device() const noexcept { return MemorySpace::on_device(impl_->device); }
+
+SharedBuffer CudaEngine::allocate_pinned(std::size_t bytes) {
+  impl_->use();
+  void* p = nullptr;
+  check(cudaHostAlloc(&p, std::max<std::size_t>(bytes, 1), cudaHostAllocPortable), "cudaHostAlloc");
+  ++impl_->pinned_allocations;
+  impl_->pinned_bytes += bytes;
+  count_allocation(bytes);
+  return SharedBuffer(std::shared_ptr<void>(p, [](void* q) { cudaFreeHost(q); }),
+                      MutTensorView::borrow(p, DType::u8, {static_cast<std::int64_t>(bytes)}, MemorySpace::pinned()));
+}
+
+SharedBuffer CudaEngine::allocate_device(DType dtype, Extents shape) {
+  impl_->use();
+  const std::size_t bytes = static_cast<std::size_t>(shape.elements()) * dtype_size(dtype);
+  void* p = nullptr;
+  check(cudaMalloc(&p, std::max<std::size_t>(bytes, 1)), "cudaMalloc");
+  ++impl_->device_allocations;
+  impl_->device_bytes += bytes;
+  count_allocation(bytes);
+  const int id = impl_->device;
+  return SharedBuffer(std::shared_ptr<void>(p,
+                                            [id](void* q) {
+                                              cudaSetDevice(id);
+                                              cudaFree(q);
+                                            }),
+                      MutTensorView::borrow(p, dtype, shape, device()));
+}
+
+void CudaEngine::copy_to_host(TensorView device_src, MutTensorView host_dst) {
+  require(device_src.bytes() == host_dst.bytes(), Errc::invalid_argument, "a copy to the host of ", device_src.bytes(),
+          " bytes into ", host_dst.bytes());
+  require(device_src.space() == device() && host_dst.space().host_accessible(), Errc::invalid_argument,
+          "copy_to_host: from ", memory_space_text(device_src.space()), " to ", memory_space_text(host_dst.space()),
+          " memory on CUDA device ", impl_->device);
+  if (device_src.empty()) return;
+  impl_->use();
+  check(cudaMemcpyAsync(host_dst.data(), device_src.data(), device_src.bytes(), cudaMemcpyDeviceToHost, impl_->stream),
+        "cudaMemcpyAsync (device to host)");
+  ++impl_->copies_to_host;
+  impl_->bytes_to_host += device_src.bytes();
+}
+
+void CudaEngine::copy_to_device(TensorView host_src, MutTensorView device_dst) {
+  require(host_src.bytes() == device_dst.bytes(), Errc::invalid_argument, "a copy to the device of ", host_src.bytes(),
+          " bytes into ", device_dst.bytes());
+  require(device_dst.space() == device() && host_src.space().host_accessible(), Errc::invalid_argument,
+          "copy_to_device: from ", memory_space_text(host_src.space()), " to ", memory_space_text(device_dst.space()),
+          " memory on CUDA device ", impl_->device);
+  if (host_src.empty()) return;
+  impl_->use();
+  check(cudaMemcpyAsync(device_dst.data(), host_src.data(), host_src.bytes(), cudaMemcpyHostToDevice, impl_->stream),
+        "cudaMemcpyAsync (host to device)");
+  ++impl_->copies_to_device;
+  impl_->bytes_to_device += host_src.bytes();
+}
+
+void CudaEngine::zero(MutTensorView device_dst) {
+  require(device_dst.space() == device(), Errc::invalid_argument, "zero: ", memory_space_text(device_dst.space()),
+          " memory on CUDA device ", impl_->device);
+  if (device_dst.empty()) return;
+  impl_->use();
+  check(cudaMemsetAsync(device_dst.data(), 0, device_dst.bytes(), impl_->stream), "cudaMemsetAsync");
+  ++impl_->zero_fills;
+}
+
+Fence CudaEngine::fence() {
+  impl_->use();
+  cudaEvent_t event = nullptr;
+  check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreate");
+  if (const cudaError_t rc = cudaEventRecord(event, impl_->stream); rc != cudaSuccess) {
+    cudaEventDestroy(event);
+    check(rc, "cudaEventRecord");
+  }
+  const std::lock_guard lock(impl_->mutex);
+  impl_->events.emplace_back(++impl_->recorded, event);
+  return impl_->recorded;
+}
+
+void CudaEngine::wait(Fence fence) {
+  const std::lock_guard lock(impl_->mutex);
+  // Events complete in stream order: waiting for the fence retires every earlier one too.
+  while (impl_->reached < fence && !impl_->events.empty()) {
+    const auto [number, event] = impl_->events.front();
+    const cudaError_t rc = cudaEventSynchronize(event);
+    cudaEventDestroy(event);
+    impl_->events.pop_front();
+    impl_->reached = number;
+    check(rc, "cudaEventSynchronize (an earlier copy failed)");
+  }
+}
+
+EngineStats CudaEngine::stats() const {
+  const Impl& m = *impl_;
+  return {m.device_allocations, m.device_bytes, m.pinned_allocations, m.pinned_bytes, m.copies_to_host,
+          m.bytes_to_host,      m.copies_to_device, m.bytes_to_device, m.zero_fills};
+}
+
+std::size_t CudaEngine::free_device_memory() const {
+  impl_->use();
+  std::size_t free = 0, total = 0;
+  check(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
+  return free;
+}
+
+}  // namespace shardckpt

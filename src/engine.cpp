@@ -1,0 +1,227 @@
+module;
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <utility>
+module shardckpt.engine;
+
+namespace shardckpt {
+namespace {
+
+std::size_t page_size() {
+  static const auto size = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  return size;
+}
+
+std::size_t round_to_pages(std::size_t bytes) {
+  const std::size_t p = page_size();
+  return std::max<std::size_t>(p, (bytes + p - 1) / p * p);
+}
+
+void* map_pages(std::size_t bytes, int protection) {
+  void* p = ::mmap(nullptr, bytes, protection, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) throw Error(Errc::internal, cat("could not map ", bytes, " bytes of memory"));
+  return p;
+}
+
+void require_same_bytes(TensorView a, TensorView b, std::string_view what) {
+  require(a.bytes() == b.bytes(), Errc::invalid_argument, what, ": ", a.bytes(), " bytes to ", b.bytes(), " bytes");
+}
+
+}  // namespace
+
+SharedBuffer allocate_locked(std::size_t bytes) {
+  const std::size_t size = round_to_pages(bytes);
+  void* p = map_pages(size, PROT_READ | PROT_WRITE);
+  // Best effort: without the privilege or the limit to lock it, the memory stays pageable.
+  (void)::mlock(p, size);
+  count_allocation(size);
+  std::shared_ptr<void> owner(p, [size](void* q) {
+    ::munlock(q, size);
+    ::munmap(q, size);
+  });
+  return SharedBuffer(std::move(owner), MutTensorView::borrow(p, DType::u8, {static_cast<std::int64_t>(bytes)},
+                                                             MemorySpace::pinned()));
+}
+
+// The emulated stream: one thread runs the copies in order; fences count the work enqueued.
+struct EmulatedDevice::Impl {
+  int id = 0;
+  std::mutex mutex;
+  std::condition_variable changed;
+  std::deque<std::function<void()>> queue;
+  Fence enqueued = 0, done = 0;
+  bool stopping = false;
+  std::optional<Error> failure;
+  std::thread worker;
+  std::atomic<std::uint64_t> device_allocations{0}, device_bytes{0}, pinned_allocations{0}, pinned_bytes{0},
+      copies_to_host{0}, bytes_to_host{0}, copies_to_device{0}, bytes_to_device{0}, zero_fills{0};
+  std::atomic<std::uint64_t> live_device_bytes{0};
+
+  void run() {
+    std::unique_lock lock(mutex);
+    for (;;) {
+      changed.wait(lock, [&] { return stopping || !queue.empty(); });
+      if (queue.empty()) return;
+      std::function<void()> task = std::move(queue.front());
+      queue.pop_front();
+      lock.unlock();
+      std::optional<Error> error;
+      try {
+        task();
+      } catch (const Error& e) {
+        error = e;
+      }
+      lock.lock();
+      if (error && !failure) failure = std::move(error);
+      ++done;
+      changed.notify_all();
+    }
+  }
+
+  void enqueue(std::function<void()> task) {
+    const std::lock_guard lock(mutex);
+    queue.push_back(std::move(task));
+    ++enqueued;
+    changed.notify_all();
+  }
+
+  // Runs fn with the device pages under [p, p + n) opened with `protection`, then closes them again.
+  static void with_pages(const void* p, std::size_t n, int protection, const std::function<void()>& fn) {
+    if (n == 0) return;
+    const auto begin = reinterpret_cast<std::uintptr_t>(p) / page_size() * page_size();
+    const auto end = round_to_pages(reinterpret_cast<std::uintptr_t>(p) + n);
+    void* pages = reinterpret_cast<void*>(begin);
+    if (::mprotect(pages, end - begin, protection) != 0)
+      throw Error(Errc::internal, "the emulated device could not open its memory for a copy");
+    fn();
+    ::mprotect(pages, end - begin, PROT_NONE);
+  }
+};
+
+EmulatedDevice::EmulatedDevice(int id) : impl_(std::make_unique<Impl>()) {
+  impl_->id = id;
+  impl_->worker = std::thread([this] { impl_->run(); });
+}
+
+EmulatedDevice::~EmulatedDevice() {
+  {
+    const std::lock_guard lock(impl_->mutex);
+    impl_->stopping = true;
+    impl_->changed.notify_all();
+  }
+  impl_->worker.join();
+}
+
+MemorySpace EmulatedDevice::device() const noexcept { return MemorySpace::on_device(impl_->id); }
+
+SharedBuffer EmulatedDevice::allocate_pinned(std::size_t bytes) {
+  ++impl_->pinned_allocations;
+  impl_->pinned_bytes += bytes;
+  return allocate_locked(bytes);
+}
+
+SharedBuffer EmulatedDevice::allocate_device(DType dtype, Extents shape) {
+  const std::size_t bytes = static_cast<std::size_t>(shape.elements()) * dtype_size(dtype);
+  const std::size_t size = round_to_pages(bytes);
+  void* p = map_pages(size, PROT_NONE);
+  ++impl_->device_allocations;
+  impl_->device_bytes += bytes;
+  impl_->live_device_bytes += size;
+  count_allocation(bytes);
+  Impl* impl = impl_.get();
+  std::shared_ptr<void> owner(p, [size, impl](void* q) {
+    ::munmap(q, size);
+    impl->live_device_bytes -= size;
+  });
+  return SharedBuffer(std::move(owner), MutTensorView::borrow(p, dtype, shape, device()));
+}
+
+void EmulatedDevice::copy_to_host(TensorView device_src, MutTensorView host_dst) {
+  require_same_bytes(device_src, host_dst, "a copy to the host");
+  require(device_src.space() == device() && host_dst.space().host_accessible(), Errc::invalid_argument,
+          "copy_to_host: from ", memory_space_text(device_src.space()), " to ", memory_space_text(host_dst.space()),
+          " memory on the emulated device ", impl_->id);
+  ++impl_->copies_to_host;
+  impl_->bytes_to_host += device_src.bytes();
+  impl_->enqueue([src = device_src.data(), dst = host_dst.data(), n = device_src.bytes()] {
+    Impl::with_pages(src, n, PROT_READ, [&] { std::memcpy(dst, src, n); });
+  });
+}
+
+void EmulatedDevice::copy_to_device(TensorView host_src, MutTensorView device_dst) {
+  require_same_bytes(host_src, device_dst, "a copy to the device");
+  require(device_dst.space() == device() && host_src.space().host_accessible(), Errc::invalid_argument,
+          "copy_to_device: from ", memory_space_text(host_src.space()), " to ", memory_space_text(device_dst.space()),
+          " memory on the emulated device ", impl_->id);
+  ++impl_->copies_to_device;
+  impl_->bytes_to_device += host_src.bytes();
+  impl_->enqueue([src = host_src.data(), dst = device_dst.data(), n = host_src.bytes()] {
+    Impl::with_pages(dst, n, PROT_READ | PROT_WRITE, [&] { std::memcpy(dst, src, n); });
+  });
+}
+
+void EmulatedDevice::zero(MutTensorView device_dst) {
+  require(device_dst.space() == device(), Errc::invalid_argument, "zero: ", memory_space_text(device_dst.space()),
+          " memory on the emulated device ", impl_->id);
+  ++impl_->zero_fills;
+  impl_->enqueue([dst = device_dst.data(), n = device_dst.bytes()] {
+    Impl::with_pages(dst, n, PROT_READ | PROT_WRITE, [&] { std::memset(dst, 0, n); });
+  });
+}
+
+Fence EmulatedDevice::fence() {
+  const std::lock_guard lock(impl_->mutex);
+  return impl_->enqueued;
+}
+
+void EmulatedDevice::wait(Fence fence) {
+  std::unique_lock lock(impl_->mutex);
+  impl_->changed.wait(lock, [&] { return impl_->done >= fence; });
+  if (impl_->failure) throw std::exchange(impl_->failure, std::nullopt).value();
+}
+
+EngineStats EmulatedDevice::stats() const {
+  const Impl& m = *impl_;
+  return {m.device_allocations, m.device_bytes, m.pinned_allocations, m.pinned_bytes, m.copies_to_host,
+          m.bytes_to_host,      m.copies_to_device, m.bytes_to_device, m.zero_fills};
+}
+
+// An emulated device of 64 GiB.
+std::size_t EmulatedDevice::free_device_memory() const {
+  return (std::size_t{64} << 30) - static_cast<std::size_t>(impl_->live_device_bytes.load());
+}
+
+StagingPool::StagingPool(CopyEngine& engine, std::size_t buffer_bytes, int buffers)
+    : engine_(&engine), buffer_bytes_(buffer_bytes) {
+  require(buffer_bytes > 0 && buffers >= 1, Errc::invalid_argument, "a staging pool needs at least one buffer of ",
+          "at least one byte (got ", buffers, " of ", buffer_bytes, ")");
+  for (int i = 0; i < buffers; ++i) buffers_.push_back(engine.allocate_pinned(buffer_bytes));
+}
+
+std::int64_t StagingPool::rows_per_buffer(TensorView like) const {
+  const std::size_t row = std::max<std::size_t>(like.row_bytes(), 1);
+  require(row <= buffer_bytes_, Errc::invalid_argument, "a row of ", row, " bytes does not fit a staging buffer of ",
+          buffer_bytes_, " bytes: make the buffers larger");
+  return static_cast<std::int64_t>(buffer_bytes_ / row);
+}
+
+MutTensorView StagingPool::rows_of(int i, TensorView like, std::int64_t rows) const {
+  require(i >= 0 && i < buffers() && rows >= 0 && rows <= rows_per_buffer(like), Errc::invalid_argument, rows,
+          " rows do not fit staging buffer ", i);
+  return MutTensorView::borrow(buffers_[static_cast<std::size_t>(i)].mut_view().data(), like.dtype(),
+                               like.shape().with_rows(rows), MemorySpace::pinned());
+}
+
+}  // namespace shardckpt
