@@ -98,6 +98,8 @@ class StagingPool {
   MutTensorView rows_of(int i, TensorView like, std::int64_t rows) const;
   // How many rows of `like` one buffer holds (at least one, or Errc::invalid_argument).
   std::int64_t rows_per_buffer(TensorView like) const;
+  // Buffer `i`'s bytes, in pinned memory.
+  MutTensorView buffer(int i) const;
 
  private:
   CopyEngine* engine_;

@@ -63,6 +63,14 @@ class File {
   std::filesystem::path path_;
 };
 
+// Bytes read and written through every File of this process so far (all threads, HDF5's own
+// transfers included): what the benchmark compares with the bytes a load needed.
+struct IoStats {
+  std::uint64_t bytes_read = 0;
+  std::uint64_t bytes_written = 0;
+};
+IoStats io_stats() noexcept;
+
 // Syncs a directory so that entries created or renamed in it are durable.
 void sync_directory(const std::filesystem::path& dir);
 // Renames `from` to `to` (atomically replacing `to`), then syncs the directory of `to`.

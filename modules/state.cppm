@@ -95,10 +95,14 @@ class StateDict {
   // Never saved; a load hands it back as it was given in the request.
   void add_local(std::string key, CommonValue value);
 
-  const std::vector<ShardedTensor>& tensors() const noexcept { return tensors_; }
-  const std::vector<ShardedParam>& params() const noexcept { return params_; }
-  const std::map<std::string, CommonValue, std::less<>>& common() const noexcept { return common_; }
-  const std::map<std::string, CommonValue, std::less<>>& local() const noexcept { return local_; }
+  const std::vector<ShardedTensor>& tensors() const noexcept [[clang::lifetimebound]] { return tensors_; }
+  const std::vector<ShardedParam>& params() const noexcept [[clang::lifetimebound]] { return params_; }
+  const std::map<std::string, CommonValue, std::less<>>& common() const noexcept [[clang::lifetimebound]] {
+    return common_;
+  }
+  const std::map<std::string, CommonValue, std::less<>>& local() const noexcept [[clang::lifetimebound]] {
+    return local_;
+  }
 
  private:
   void claim_key(const std::string& key);
@@ -186,8 +190,9 @@ struct LoadOptions {
 Values load_into(const CheckpointReader& reader, const StateDict& state, LoadOptions options = {});
 Values load_into(const std::filesystem::path& path, const StateDict& state, LoadOptions options = {});
 // Loads this rank's part of a global checkpoint at the request's layout (any TP, GTP, alignment)
-// into host memory it allocates (what load_into then fills). A ShardedTensor asked for at its global
-// shape is a whole tensor: counted as a materialization.
+// into host memory it allocates (what load_into then fills). A tensor asked for whole (a
+// ShardedTensor at its global shape, a parameter at GTP 1 that TP does not split) is counted as a
+// materialization.
 LoadedState load(const std::filesystem::path& path, const StateDict& request, LoadOptions options = {});
 LoadedState load(const CheckpointReader& reader, const StateDict& request, LoadOptions options = {});
 // Tells LoadOptions::notice (or standard error) that the checkpoint's bytes or metadata are read

@@ -217,6 +217,11 @@ std::int64_t StagingPool::rows_per_buffer(TensorView like) const {
   return static_cast<std::int64_t>(buffer_bytes_ / row);
 }
 
+MutTensorView StagingPool::buffer(int i) const {
+  require(i >= 0 && i < buffers(), Errc::invalid_argument, "staging buffer ", i, " of ", buffers());
+  return buffers_[static_cast<std::size_t>(i)].mut_view();
+}
+
 MutTensorView StagingPool::rows_of(int i, TensorView like, std::int64_t rows) const {
   require(i >= 0 && i < buffers() && rows >= 0 && rows <= rows_per_buffer(like), Errc::invalid_argument, rows,
           " rows do not fit staging buffer ", i);

@@ -5,6 +5,7 @@ module;
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <csignal>
 #include <cstddef>
@@ -102,6 +103,12 @@ std::uint64_t File::size() const {
   return static_cast<std::uint64_t>(st.st_size);
 }
 
+namespace {
+std::atomic<std::uint64_t> bytes_read{0}, bytes_written{0};
+}  // namespace
+
+IoStats io_stats() noexcept { return {bytes_read.load(), bytes_written.load()}; }
+
 std::size_t File::pread_upto(void* dst, std::size_t n, std::uint64_t offset) const {
   auto* p = static_cast<std::byte*>(dst);
   std::size_t done = 0;
@@ -112,6 +119,7 @@ std::size_t File::pread_upto(void* dst, std::size_t n, std::uint64_t offset) con
     if (got == 0) break;
     done += static_cast<std::size_t>(got);
   }
+  bytes_read.fetch_add(done, std::memory_order_relaxed);
   return done;
 }
 
@@ -132,6 +140,7 @@ void File::pwrite_all(const void* src, std::size_t n, std::uint64_t offset) {
     if (put == 0) fail_at("write", path_, n, offset, ENOSPC);
     done += static_cast<std::size_t>(put);
   }
+  bytes_written.fetch_add(done, std::memory_order_relaxed);
 }
 
 void File::truncate(std::uint64_t size) {

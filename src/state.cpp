@@ -2,7 +2,6 @@ module;
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <deque>
 #include <filesystem>
 #include <functional>
 #include <iostream>
@@ -56,22 +55,82 @@ MutTensorView destination(const TensorRef& ref, DType dtype, const Extents& shap
   return ref.mut_view();
 }
 
+// The pool's buffers, used in turn as arenas: the rows of many pieces packed into one buffer, one
+// fence per buffer. Before a buffer is reused, the engine has finished the work enqueued while it
+// was current (and `before_reuse` has dealt with its rows), so copying into or out of one buffer
+// overlaps with reading or writing another.
+class Arena {
+ public:
+  explicit Arena(const StagingPool& pool) : pool_(pool), fences_(static_cast<std::size_t>(pool.buffers())) {}
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+
+  CopyEngine& engine() const { return pool_.engine(); }
+  int current() const noexcept { return current_; }
+
+  // Room for up to `rows` rows shaped like `like`: as many as fit in the current buffer, or, when not
+  // one more fits, in the next one.
+  template <class BeforeReuse>
+  MutTensorView take(TensorView like, std::int64_t rows, BeforeReuse&& before_reuse) {
+    const std::size_t row = std::max<std::size_t>(like.row_bytes(), 1);
+    (void)pool_.rows_per_buffer(like);  // a row larger than a buffer is an error
+    if (aligned(used_) + row > pool_.buffer_bytes()) {
+      fences_[static_cast<std::size_t>(current_)] = engine().fence();
+      current_ = (current_ + 1) % pool_.buffers();
+      retire(current_, before_reuse);
+      used_ = 0;
+    }
+    const std::size_t at = aligned(used_);
+    const auto fit = std::min<std::int64_t>(rows, static_cast<std::int64_t>((pool_.buffer_bytes() - at) / row));
+    used_ = at + static_cast<std::size_t>(fit) * row;
+    return MutTensorView::borrow(pool_.buffer(current_).data() + at, like.dtype(), like.shape().with_rows(fit),
+                                 MemorySpace::pinned());
+  }
+
+  // Waits for every buffer's work, oldest first, calling before_reuse on each that was used.
+  template <class BeforeReuse>
+  void drain(BeforeReuse&& before_reuse) {
+    if (used_ > 0) fences_[static_cast<std::size_t>(current_)] = engine().fence();
+    for (int i = 1; i <= pool_.buffers(); ++i) retire((current_ + i) % pool_.buffers(), before_reuse);
+    used_ = 0;
+  }
+
+ private:
+  static std::size_t aligned(std::size_t n) { return (n + 63) / 64 * 64; }
+  template <class BeforeReuse>
+  void retire(int buffer, BeforeReuse&& before_reuse) {
+    auto& fence = fences_[static_cast<std::size_t>(buffer)];
+    if (!fence) return;
+    engine().wait(*std::exchange(fence, std::nullopt));
+    before_reuse(buffer);
+  }
+
+  const StagingPool& pool_;
+  std::vector<std::optional<Fence>> fences_;
+  int current_ = 0;
+  std::size_t used_ = 0;
+};
+
 // Where the slabs of a load come from, and how their bytes reach their destination: straight into
 // host memory, or into device memory through the pool's pinned buffers (while the engine copies
 // one buffer to the device, the next is read into another).
 class Source {
  public:
   Source(const CheckpointReader& reader, bool local, const LoadOptions& options)
-      : reader_(reader), local_(local), read_{options.method, options.verify_checksums, options.progress},
-        staging_(options.staging) {
+      : reader_(reader), local_(local), read_{options.method, options.verify_checksums, options.progress} {
+    if (options.staging) arena_.emplace(*options.staging);
     if (local)
       for (const DatasetInfo& d : reader.datasets())
         if (d.placement) by_box_.emplace(place(d.placement->key, d.placement->box), &d);
   }
   Source(const Source&) = delete;
   Source& operator=(const Source&) = delete;
+  // The engine may still be copying out of the pool into destinations: wait, whatever happened.
   ~Source() {
-    for (const Staged& s : inflight_) staging_->engine().wait(s.fence);
+    try {
+      finish();
+    } catch (const Error&) {
+    }
   }
 
   // Reads `box` of the dataset `key` (global shape `global_shape`) into `dst`.
@@ -97,16 +156,14 @@ class Source {
       reader_.read(*d, from, dst, read_);
       return;
     }
-    require(staging_ != nullptr, Errc::invalid_argument, who, ": loading into ", memory_space_text(dst.space()),
+    require(arena_.has_value(), Errc::invalid_argument, who, ": loading into ", memory_space_text(dst.space()),
             " memory needs LoadOptions::staging (a pool of pinned buffers of its CopyEngine)");
-    const std::int64_t step = staging_->rows_per_buffer(dst);
-    for (std::int64_t r0 = 0; r0 < dst.rows(); r0 += step) {
-      const std::int64_t n = std::min(step, dst.rows() - r0);
-      const int buffer = next_buffer();
-      const MutTensorView staged = staging_->rows_of(buffer, dst, n);
+    for (std::int64_t r0 = 0; r0 < dst.rows();) {
+      const MutTensorView staged = arena_->take(dst, dst.rows() - r0, [](int) {});
+      const std::int64_t n = staged.rows();
       reader_.read(*d, {{from.rows.begin + r0, from.rows.begin + r0 + n}, from.cols}, staged, read_);
-      staging_->engine().copy_to_device(staged, dst.rows(r0, r0 + n));
-      inflight_.push_back({buffer, staging_->engine().fence()});
+      arena_->engine().copy_to_device(staged, dst.rows(r0, r0 + n));
+      r0 += n;
     }
   }
 
@@ -116,45 +173,28 @@ class Source {
       std::memset(dst.data(), 0, dst.bytes());
       return;
     }
-    require(staging_ != nullptr, Errc::invalid_argument, "zeroing ", memory_space_text(dst.space()),
+    require(arena_.has_value(), Errc::invalid_argument, "zeroing ", memory_space_text(dst.space()),
             " memory needs LoadOptions::staging");
-    staging_->engine().zero(dst);
+    arena_->engine().zero(dst);
   }
 
   // Every copy to a device has landed.
   void finish() {
-    while (!inflight_.empty()) {
-      staging_->engine().wait(inflight_.front().fence);
-      inflight_.pop_front();
-    }
+    if (arena_) arena_->drain([](int) {});
   }
 
   bool local() const noexcept { return local_; }
 
  private:
-  struct Staged {
-    int buffer;
-    Fence fence;
-  };
   static std::string place(std::string_view key, const Box& b) {
     return cat(key, " ", b.rows.begin, " ", b.rows.end, " ", b.cols.begin, " ", b.cols.end);
-  }
-  // A buffer whose last copy to the device has finished.
-  int next_buffer() {
-    if (static_cast<int>(inflight_.size()) == staging_->buffers()) {
-      staging_->engine().wait(inflight_.front().fence);
-      inflight_.pop_front();
-    }
-    return static_cast<int>(turn_++ % static_cast<std::uint64_t>(staging_->buffers()));
   }
 
   const CheckpointReader& reader_;
   bool local_;
   ReadOptions read_;
-  const StagingPool* staging_;
+  std::optional<Arena> arena_;
   std::map<std::string, const DatasetInfo*, std::less<>> by_box_;  // local pieces by key and box
-  std::deque<Staged> inflight_;
-  std::uint64_t turn_ = 0;
 };
 
 // A tree of a load before the factory merges: each key's loaded shard (its destination, filled),
@@ -414,44 +454,40 @@ void write_items(const SavePlan& plan, std::span<const DatasetInfo> datasets, Pi
                  const StagingPool* staging) {
   std::map<std::string_view, const DatasetInfo*> by_key;
   for (const DatasetInfo& d : datasets) by_key.emplace(d.key, &d);
-  // Rows staged from a device, in write order: while the oldest is written, the engine copies the next.
+  // Rows of device items staged in the pool, per buffer, in write order: a buffer's rows are written
+  // once the engine has copied them, while it copies into the next buffer.
   struct Staged {
     const DatasetInfo* dataset;
     Box box;
     MutTensorView rows;
-    Fence fence;
   };
-  std::deque<Staged> inflight;
-  std::uint64_t turn = 0;
-  const auto write_oldest = [&] {
-    const Staged s = inflight.front();
-    staging->engine().wait(s.fence);
-    writer.write(*s.dataset, s.box, s.rows);
-    inflight.pop_front();
+  std::optional<Arena> arena;
+  std::vector<std::vector<Staged>> staged(staging ? static_cast<std::size_t>(staging->buffers()) : 0);
+  const auto write_buffer = [&](int b) {
+    for (const Staged& s : staged[static_cast<std::size_t>(b)]) writer.write(*s.dataset, s.box, s.rows);
+    staged[static_cast<std::size_t>(b)].clear();
   };
   for (const SaveItem& i : plan.items) {
     if (!i.writes) continue;
     const auto it = by_key.find(i.key);
     require(it != by_key.end(), Errc::missing_key, "key ", i.key, " has no dataset in the checkpoint being written");
     if (i.data.space().host_accessible()) {
-      while (!inflight.empty()) write_oldest();  // the file gets the items in order
+      if (arena) arena->drain(write_buffer);  // the file gets the items in order
       writer.write(*it->second, i.box, i.data);
       continue;
     }
     require(staging != nullptr, Errc::invalid_argument, "key ", i.key, ": saving ", memory_space_text(i.data.space()),
             " memory needs a Saver with a CopyEngine (its pool of pinned buffers)");
-    const std::int64_t step = staging->rows_per_buffer(i.data);
-    for (std::int64_t r0 = 0; r0 < i.data.rows(); r0 += step) {
-      const std::int64_t n = std::min(step, i.data.rows() - r0);
-      if (static_cast<int>(inflight.size()) == staging->buffers()) write_oldest();
-      const MutTensorView rows =
-          staging->rows_of(static_cast<int>(turn++ % static_cast<std::uint64_t>(staging->buffers())), i.data, n);
-      staging->engine().copy_to_host(i.data.rows(r0, r0 + n), rows);
-      inflight.push_back({it->second, {{i.box.rows.begin + r0, i.box.rows.begin + r0 + n}, i.box.cols}, rows,
-                          staging->engine().fence()});
+    if (!arena) arena.emplace(*staging);
+    for (std::int64_t r0 = 0; r0 < i.data.rows();) {
+      const MutTensorView rows = arena->take(i.data, i.data.rows() - r0, write_buffer);
+      arena->engine().copy_to_host(i.data.rows(r0, r0 + rows.rows()), rows);
+      staged[static_cast<std::size_t>(arena->current())].push_back(
+          {it->second, {{i.box.rows.begin + r0, i.box.rows.begin + r0 + rows.rows()}, i.box.cols}, rows});
+      r0 += rows.rows();
     }
   }
-  while (!inflight.empty()) write_oldest();
+  if (arena) arena->drain(write_buffer);
 }
 
 std::vector<std::string> LoadedState::keys() const {
@@ -514,6 +550,10 @@ Allocated allocate_destinations(const StateDict& request) {
     out.state.add(std::move(t));
   }
   for (ShardedParam p : request.params()) {
+    // One GTP rank holding a parameter that TP does not split (TP 1, or replicated) holds it whole.
+    if (!p.flat && p.gtp == 1 && (p.spec.tp == 1 || p.spec.tp_axis == TpAxis::replicated))
+      count_materialization(cat("loading the whole parameter ", p.spec.key),
+                            static_cast<std::size_t>(p.shard_shape().elements()) * dtype_size(p.dtype));
     SharedBuffer b = SharedBuffer::uninitialized(p.dtype, p.shard_shape());
     p.shard = b;
     out.buffers.emplace(p.spec.key, std::move(b));

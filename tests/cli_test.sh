@@ -84,10 +84,34 @@ assert d['mismatches'] == 0 and d['values_verified'] > 0 and d['pad_rows_skipped
 assert d['save_layout'] != d['load_layout'] and d['checksums'] and d['verified']"
 check "demo f32 hyperslab dp" "$exe" demo --out "$dir/f32.h5" --dtype f32 --tp 1 --gtp 3 --align 8 --ranks 6 --method hyperslab > /dev/null
 check "demo without checksums" "$exe" demo --out "$dir/nosum.h5" --no-checksums "${small[@]}" > /dev/null
+# Shards in memory the library moves through a copy engine, saved in the background; Adam's state
+# sharded by a distributed optimizer, reloaded at another DP, TP, GTP and alignment.
+check "demo emulated async adam" "$exe" demo --out "$dir/adam.h5" "${small[@]}" --device emulated --async \
+  --optimizer adam --distributed-optimizer --tp 2 --gtp 2 --align 16 --dp 2 --load-tp 1 --load-dp 3 --json > "$dir/adam.json"
+check "demo adam report" $py -c "
+import json; d = json.load(open('$dir/adam.json'))
+assert d['mismatches'] == 0 and d['verified'] and d['async'] and d['device'] == 'emulated', d
+assert d['distributed_optimizer'] and d['staging_bytes'] > 0 and 0 < d['blocking_seconds'] <= d['save_seconds'], d
+assert d['load_layout']['dp'] == 3 and d['load_layout']['tp'] == 1 and d['materializations'] == 0, d"
+check "adam state under Megatron's keys" $py -c "
+import h5py; f = h5py.File('$dir/adam.h5', 'r')
+for name in ('exp_avg', 'exp_avg_sq', 'fp32_param'):
+    d = f['optimizer.state.' + name + '.decoder.layers.0.mixer.in_proj.weight.z']
+    assert d.dtype == 'float32' and d.shape == f['decoder.layers.0.mixer.in_proj.weight.z'].shape, d"
+check "demo pinned" "$exe" demo --out "$dir/pinned.h5" "${small[@]}" --device pinned --optimizer adam > /dev/null
+expect_rc 2 "--distributed-optimizer needs adam" "$exe" demo --out "$dir/x.h5" --distributed-optimizer
+expect_rc 2 "--device nonsense" "$exe" demo --out "$dir/x.h5" --device tpu
+if ! nvidia-smi -L > /dev/null 2>&1; then
+  expect_rc 2 "--device cuda without a GPU" "$exe" demo --out "$dir/x.h5" "${small[@]}" --device cuda
+  check "says there is no CUDA device" grep -q "no CUDA device\|no CUDA support\|CUDA" "$dir/err"
+fi
 
 # ---- load: any checkpoint, planned from its own records ---------------------------------------------------
 check "load verify" "$exe" load "$dir/demo.h5" --tp 1 --gtp 5 --align 4 --verify > /dev/null
 check "load verify tp4 json" "$exe" load "$dir/demo.h5" --tp 4 --gtp 1 --align 0 --verify --json > "$dir/load.json"
+check "load distributed optimizer at dp 4" "$exe" load "$dir/adam.h5" --tp 2 --gtp 1 --dp 4 --distributed-optimizer \
+  --verify --device emulated > /dev/null
+check "load adam state whole at dp 1" "$exe" load "$dir/adam.h5" --tp 1 --gtp 3 --align 4 --verify > /dev/null
 check "load json says what was checked" $py -c "
 import json; d = json.load(open('$dir/load.json'))
 assert d['verified'] and d['checksums_checked'] and d['pattern_checked'] and d['values_verified'] > 511232, d"
@@ -247,6 +271,10 @@ import json; d = json.load(open('$dir/mpi.json'))
 assert d['mismatches'] == 0 and d['pad_rows_skipped'] > 0 and d['values_verified'] == 511232, d"
   check "mpi load" "${mpi[@]}" "$exe" load --mpi "$dir/mpi.h5" --tp 1 --gtp 4 --align 2 --verify > /dev/null
   check "mpi and threads write the same tensors" h5diff --exclude-path /_shardckpt "$dir/mpi.h5" "$dir/demo.h5"
+  check "mpi async distributed optimizer" "${mpi[@]}" "$exe" demo --mpi --out "$dir/madam.h5" "${small[@]}" --async \
+    --optimizer adam --distributed-optimizer --tp 1 --gtp 2 --dp 2 --load-tp 2 --load-gtp 1 > /dev/null
+  check "mpi load dp 4" "${mpi[@]}" "$exe" load --mpi "$dir/madam.h5" --tp 1 --gtp 1 --dp 4 --distributed-optimizer \
+    --verify > /dev/null
   cp "$dir/mpi.h5" "$dir/mkeep.h5"
   for method in direct hyperslab; do
     save_fails "mpi EIO ($method)" "$dir/mkeep.h5" "${mpi[@]}" -x LD_PRELOAD="$faulty" -x FAULTY_IO_PATH=mkeep.h5.partial \

@@ -2,9 +2,12 @@
 // ranks before any byte is written, and a rank that dies mid-save.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -361,4 +364,196 @@ TEST(Consistency, ALoadThatOverlapsAReplaceLoadsOneCheckpointOrFailsTyped) {
   replacer.join();
   EXPECT_GT(consistent, 0);
   std::printf("%d consistent loads, %d refused as replaced\n", consistent, replaced);
+}
+
+namespace {
+
+struct ReplicaLoad {
+  std::int64_t values = 0;  // elements compared with the pattern, all ranks
+  std::int64_t mismatches = 0;
+  std::int64_t bytes_read = 0;  // read from the file, all ranks
+  bool padding_only = false;    // some rank of the layout holds a parameter's pad rows only
+};
+
+// Loads `path` at `l` on every rank into destinations poisoned with 0xff, the data-parallel copies
+// of each shard loading through their replica group (as the tool does), and checks every value.
+ReplicaLoad load_through_replicas(const demo::ModelConfig& c, const demo::Layout& l, const demo::Training& t,
+                                  const std::filesystem::path& path, bool use_replicas = true) {
+  std::atomic<std::int64_t> values{0}, bad{0}, bytes{0};
+  std::atomic<bool> padding_only{false};
+  run_ranks(l.ranks(), [&](ProcessGroup& g) {
+    const demo::RankCoord at = demo::coord_of(l, g.rank());
+    const std::unique_ptr<ProcessGroup> replicas = g.split(at.tp * l.gtp + at.gtp, at.dp);
+    const StateDict dst = demo::with_destinations(demo::request(c, l, g.rank(), t));
+    for (const ShardedParam& p : dst.params())
+      if (plan_rank(p.spec, p.gtp, p.align, p.coord).padding_only) padding_only = true;
+    LoadOptions options;
+    options.progress = [&](std::int64_t n) { bytes += n; };
+    const Values v = load_into(path, dst, g, options, use_replicas ? replicas.get() : nullptr);
+    const demo::Verification check = demo::verify(c, t, g.rank(), dst, v);
+    EXPECT_EQ(check.mismatches, 0) << demo::layout_text(l) << ": " << check.first_mismatch;
+    values += check.values;
+    bad += check.mismatches;
+  });
+  return {values.load(), bad.load(), bytes.load(), padding_only.load()};
+}
+
+void save_layout(const demo::ModelConfig& c, const demo::Layout& l, const demo::Training& t,
+                 const std::filesystem::path& path) {
+  run_ranks(l.ranks(), [&](ProcessGroup& g) {
+    demo::RankModel m = demo::build_rank(c, l, g.rank(), t);
+    save(m.state, path, g);
+  });
+}
+
+}  // namespace
+
+// Megatron's distributed optimizer: bf16 parameters shared by the DP copies, f32 Adam state in each
+// DP rank's flat range. DP 1 -> 4, 4 -> 2 and 3 -> 1, each with another TP, GTP and alignment, and
+// with a padding-only rank on both sides: every value comes back.
+TEST(DistributedOptimizer, DataParallelDegreeChangesWithTpGtpAndAlignment) {
+  ScratchDir dir;
+  const auto c = small_model();
+  ASSERT_EQ(c.dtype, DType::bf16);
+  const demo::Training adam{.adam = true, .distributed = true};
+  struct Case {
+    demo::Layout saved, loaded;
+  };
+  const std::vector<Case> cases{
+      {{2, 2, 16, 1}, {1, 4, 8, 4}},  // DP 1 -> 4
+      {{1, 4, 8, 4}, {2, 2, 16, 2}},  // DP 4 -> 2
+      {{2, 3, 8, 3}, {1, 3, 8, 1}},   // DP 3 -> 1
+  };
+  for (const Case& k : cases) {
+    SCOPED_TRACE(demo::layout_text(k.saved) + " -> " + demo::layout_text(k.loaded));
+    const auto path = dir / "c.h5";
+    std::atomic<bool> saved_padding_only{false};
+    run_ranks(k.saved.ranks(), [&](ProcessGroup& g) {
+      demo::RankModel m = demo::build_rank(c, k.saved, g.rank(), adam);
+      for (const ShardedParam& p : m.state.params()) {
+        if (plan_rank(p.spec, p.gtp, p.align, p.coord).padding_only) saved_padding_only = true;
+        EXPECT_EQ(p.dtype, p.spec.key.starts_with(optimizer_state_prefix) ? DType::f32 : DType::bf16);
+        EXPECT_EQ(p.flat.has_value(), p.spec.key.starts_with(optimizer_state_prefix)) << p.spec.key;
+      }
+      save(m.state, path, g);
+    });
+    EXPECT_TRUE(saved_padding_only.load());
+    const ReplicaLoad r = load_through_replicas(c, k.loaded, adam, path);
+    EXPECT_TRUE(r.padding_only);
+    EXPECT_EQ(r.mismatches, 0);
+    EXPECT_GT(r.values, 0);
+  }
+}
+
+// The writers' boxes must tile every dataset exactly once, flat ranges included: one DP rank's
+// range of one optimizer state shifted by one element (a gap, or an overlap) stops the save on every
+// rank with Errc::tiling naming the key, before anything is written.
+TEST(Validation, AFlatRangeShiftedByOneElementStopsTheSaveOnEveryRank) {
+  ScratchDir dir;
+  const auto c = small_model();
+  const demo::Training adam{.adam = true, .distributed = true};
+  const demo::Layout l{1, 2, 8, 2};
+  const std::string victim = "optimizer.state.exp_avg.decoder.layers.0.mixer.in_proj.weight";
+  const int bad_rank = 2;  // DP rank 1, GTP rank 0
+  // Rank `bad_rank`'s state with the victim's range starting `shift` elements later (its shard
+  // resized to match, so that only the tiling is wrong).
+  const auto state_of = [&](int rank, std::int64_t shift, std::string* first_key) {
+    demo::RankModel m = demo::build_rank(c, l, rank, adam);
+    if (rank != bad_rank || shift == 0) return std::move(m.state);
+    StateDict s;
+    for (ShardedParam p : m.state.params()) {
+      if (p.spec.key == victim) {
+        p.flat->begin += shift;
+        p.shard = SharedBuffer::zeros(p.dtype, p.shard_shape());
+        // The block that holds the first element of the range as it should have been.
+        const RankPlan plan = plan_rank(p.spec, p.gtp, p.align, p.coord);
+        const std::int64_t row = (p.flat->begin - shift + std::min<std::int64_t>(shift, 0)) / plan.row_elems;
+        for (const Piece& piece : plan.pieces)
+          if (row >= piece.shard_row && row < piece.shard_row + piece.rows) *first_key = piece.key;
+      }
+      s.add(std::move(p));
+    }
+    for (const auto& [key, value] : m.state.common()) s.add_common(key, value);
+    for (const auto& [key, value] : m.state.local()) s.add_local(key, value);
+    return s;
+  };
+  const auto path = dir / "c.h5";
+  const auto attempt = [&](std::int64_t shift) {
+    std::vector<std::string> messages;
+    std::string key;
+    const auto codes = outcomes(
+        l.ranks(), [&](ProcessGroup& g) { save(state_of(g.rank(), shift, &key), path, g); }, &messages);
+    ASSERT_FALSE(key.empty());
+    for (const auto& code : codes) EXPECT_EQ(code, Errc::tiling) << "shift " << shift;
+    ASSERT_EQ(messages.size(), static_cast<std::size_t>(l.ranks()));
+    for (const std::string& m : messages)
+      EXPECT_NE(m.find("key " + key + ": rows ["), std::string::npos) << "shift " << shift << ": " << m;
+    EXPECT_FALSE(std::filesystem::exists(partial_path(path))) << "shift " << shift;
+  };
+  for (const std::int64_t shift : {1, -1}) {
+    attempt(shift);
+    EXPECT_FALSE(std::filesystem::exists(path)) << "shift " << shift;
+  }
+  save_layout(c, l, adam, path);
+  const std::string earlier = file_bytes(path);
+  for (const std::int64_t shift : {1, -1}) {
+    attempt(shift);
+    EXPECT_TRUE(file_bytes(path) == earlier) << "shift " << shift;
+  }
+}
+
+// Data-parallel copies that load through their replica group read each byte once per group: each
+// reads its share from the file and receives the rest from the others. With every destination
+// poisoned, all values still verify (the shares were exchanged), and the bytes read by all ranks
+// are those of one copy.
+TEST(ReplicaReads, EachCopyReadsItsShareAndReceivesTheRest) {
+  ScratchDir dir;
+  const auto c = small_model();
+  const demo::Training adam{.adam = true};  // Adam state replicated across DP, like the parameters
+  save_layout(c, {2, 2, 8, 1}, adam, dir / "c.h5");
+  const ReplicaLoad once = load_through_replicas(c, {1, 2, 8, 1}, adam, dir / "c.h5");
+  const ReplicaLoad shared = load_through_replicas(c, {1, 2, 8, 2}, adam, dir / "c.h5");
+  EXPECT_EQ(shared.mismatches, 0);
+  EXPECT_EQ(shared.values, 2 * once.values);
+  EXPECT_GT(once.bytes_read, 0);
+  EXPECT_EQ(shared.bytes_read, once.bytes_read);
+  // Without the group each copy reads everything itself.
+  const ReplicaLoad alone = load_through_replicas(c, {1, 2, 8, 2}, adam, dir / "c.h5", false);
+  EXPECT_EQ(alone.mismatches, 0);
+  EXPECT_EQ(alone.bytes_read, 2 * once.bytes_read);
+}
+
+// The reads are really split: a copy that reads only its own share (what each copy does before the
+// exchange) fills its share's rows, leaves the other real rows as they were (the 0xff poison) and
+// zeroes the pad rows.
+TEST(ReplicaReads, ACopyThatReadsItsOwnShareFillsOnlyThoseRows) {
+  ScratchDir dir;
+  const auto c = small_model();
+  const demo::Layout l{1, 2, 8, 2};
+  save_layout(c, {2, 2, 8, 1}, {}, dir / "c.h5");
+  std::int64_t untouched_rows = 0;
+  for (int r = 0; r < l.ranks(); ++r) {
+    const StateDict request = demo::request(c, l, r);
+    const LoadedState full = load(dir / "c.h5", request);
+    const StateDict dst = demo::with_destinations(request);
+    (void)load_into(dir / "c.h5", dst, LoadOptions{.read_own_share = true});
+    for (const ShardedParam& p : dst.params()) {
+      SCOPED_TRACE(cat(p.spec.key, " rank ", r));
+      const RankPlan plan = plan_rank(p.spec, p.gtp, p.align, p.coord);
+      const RowRange share = balanced_share(plan.real_rows, p.replicas, p.replica_id);
+      ASSERT_EQ(p.replicas, 2);
+      const TensorView got = p.shard.view(), want = full.tensor(p.spec.key).view();
+      for (std::int64_t row = 0; row < got.rows(); ++row) {
+        const TensorView mine = got.rows(row, row + 1);
+        const std::byte expected_byte = row < plan.real_rows ? std::byte{0xff} : std::byte{0};
+        if (row >= share.begin && row < share.end) {
+          ASSERT_EQ(std::memcmp(mine.data(), want.rows(row, row + 1).data(), mine.bytes()), 0) << "row " << row;
+          continue;
+        }
+        for (std::size_t b = 0; b < mine.bytes(); ++b) ASSERT_EQ(mine.data()[b], expected_byte) << "row " << row;
+        untouched_rows += row < plan.real_rows;
+      }
+    }
+  }
+  EXPECT_GT(untouched_rows, 0);
 }

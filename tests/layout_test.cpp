@@ -1,8 +1,10 @@
 // Tests for shardckpt.layout: geometry, fused layouts, plans and tiling validation.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -10,6 +12,14 @@ import shardckpt.core;
 import shardckpt.layout;
 
 using namespace shardckpt;
+
+namespace shardckpt {
+// Boxes in failure messages as rows x elements.
+void PrintTo(const Box& b, std::ostream* out) {
+  *out << "rows [" << b.rows.begin << ", " << b.rows.end << ") x elements [" << b.cols.begin << ", " << b.cols.end
+       << ")";
+}
+}  // namespace shardckpt
 
 namespace {
 
@@ -354,4 +364,77 @@ TEST(Property, RandomLayoutsTileEveryBlockExactlyOnce) {
     EXPECT_NO_THROW(validate_claims(all_claims(spec, gtp, align)));
     if (iter % 8 == 0) EXPECT_EQ(simulate_save(spec, gtp, align), simulate_save(spec, 1, 0));
   }
+}
+
+// A distributed optimizer's flat range that starts and ends mid-row covers a piece as a partial
+// head row, whole rows and a partial tail row, in that order, each at its place in the range.
+TEST(FlatParts, ARangeThatStartsAndEndsMidRowGivesHeadWholeRowsAndTail) {
+  // Shard rows [2, 8) of a shard with 4 elements a row, saved at rows [12, 18) of a (20, 4) dataset.
+  const Piece piece{"k", 0, {20, 4}, {12, 0}, {6, 4}, 6, 2};
+  // Elements [9, 27): row 2 from element 1, rows 3..5 whole, row 6 up to element 3.
+  const auto parts = flat_parts(piece, 4, {9, 27});
+  ASSERT_EQ(parts.size(), 3u);
+  EXPECT_EQ(parts[0].box, (Box{{12, 13}, {1, 4}}));
+  EXPECT_EQ(parts[0].range_offset, 0);
+  EXPECT_EQ(parts[1].box, (Box{{13, 16}, {0, 4}}));
+  EXPECT_EQ(parts[1].range_offset, 3);
+  EXPECT_EQ(parts[2].box, (Box{{16, 17}, {0, 3}}));
+  EXPECT_EQ(parts[2].range_offset, 15);
+  // The parts follow each other in the range without gap or overlap.
+  std::int64_t next = 0;
+  for (const FlatPart& p : parts) {
+    EXPECT_EQ(p.range_offset, next);
+    next += box_elements(p.box);
+  }
+  EXPECT_EQ(next, 27 - 9);
+
+  // A range that starts before the piece is clipped to it; its offsets still count from the range's start.
+  const auto clipped = flat_parts(piece, 4, {3, 14});
+  ASSERT_EQ(clipped.size(), 2u);
+  EXPECT_EQ(clipped[0].box, (Box{{12, 13}, {0, 4}}));
+  EXPECT_EQ(clipped[0].range_offset, 5);
+  EXPECT_EQ(clipped[1].box, (Box{{13, 14}, {0, 2}}));
+  EXPECT_EQ(clipped[1].range_offset, 9);
+
+  // Inside one row: one part. Outside the piece: none.
+  const auto inside = flat_parts(piece, 4, {21, 23});
+  ASSERT_EQ(inside.size(), 1u);
+  EXPECT_EQ(inside[0].box, (Box{{15, 16}, {1, 3}}));
+  EXPECT_EQ(inside[0].range_offset, 0);
+  EXPECT_TRUE(flat_parts(piece, 4, {0, 8}).empty());
+  EXPECT_TRUE(flat_parts(piece, 4, {32, 40}).empty());
+
+  // A row-parallel piece: its columns start at its TP rank's band.
+  const Piece cols{"o", 0, {40, 12}, {36, 6}, {4, 6}, 4, 0};
+  const auto band = flat_parts(cols, 6, {4, 20});
+  ASSERT_EQ(band.size(), 3u);
+  EXPECT_EQ(band[0].box, (Box{{36, 37}, {10, 12}}));
+  EXPECT_EQ(band[1].box, (Box{{37, 39}, {6, 12}}));
+  EXPECT_EQ(band[1].range_offset, 2);
+  EXPECT_EQ(band[2].box, (Box{{39, 40}, {6, 8}}));
+  EXPECT_EQ(band[2].range_offset, 14);
+}
+
+// Balanced shares tile [0, n) in order, and their sizes differ by at most one.
+TEST(BalancedShare, SharesTileTheRangeInOrderAndDifferByAtMostOne) {
+  for (std::int64_t n = 0; n <= 70; ++n)
+    for (std::int64_t count = 1; count <= 9; ++count) {
+      std::int64_t cursor = 0, smallest = n, largest = 0;
+      for (std::int64_t i = 0; i < count; ++i) {
+        const RowRange s = balanced_share(n, count, i);
+        ASSERT_EQ(s.begin, cursor) << "n " << n << " count " << count << " share " << i;
+        ASSERT_LE(s.begin, s.end);
+        cursor = s.end;
+        smallest = std::min(smallest, s.size());
+        largest = std::max(largest, s.size());
+      }
+      ASSERT_EQ(cursor, n) << "n " << n << " count " << count;
+      ASSERT_LE(largest - smallest, 1) << "n " << n << " count " << count;
+    }
+  // Large values do not overflow.
+  const std::int64_t big = std::int64_t{1} << 62;
+  EXPECT_EQ(balanced_share(big, 3, 2).end, big);
+  EXPECT_THROW((void)balanced_share(10, 0, 0), Error);
+  EXPECT_THROW((void)balanced_share(10, 2, 2), Error);
+  EXPECT_THROW((void)balanced_share(-1, 2, 0), Error);
 }
