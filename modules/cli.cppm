@@ -6,12 +6,14 @@ module;
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 namespace CLI {
 class App;
 }
@@ -41,6 +43,7 @@ Runner add_load(CLI::App& app, Global& global);
 Runner add_verify(CLI::App& app, Global& global);
 Runner add_reshard(CLI::App& app, Global& global);
 Runner add_inspect(CLI::App& app, Global& global);
+Runner add_adopt(CLI::App& app, Global& global);
 
 // ---- what the commands share (src/cli/support.cpp) ------------------------------------------------
 

@@ -63,6 +63,12 @@ struct Slab {
 // Checksum units of a box: one per row, none for an empty box.
 std::int64_t units_of(const Box& box);
 
+// A dataset whose bytes stay in another file (HDF5 external storage): `file` is a plain file name
+// in the checkpoint's own directory, `offset` where the row-major bytes begin (see adopt()).
+struct ExternalData {
+  std::string file;
+  std::uint64_t offset = 0;
+};
 struct DatasetSpec {
   std::string key;
   DType dtype = DType::f32;
@@ -71,6 +77,7 @@ struct DatasetSpec {
   // Chunk dims, or empty for a contiguous dataset (see datasets_of).
   std::vector<std::int64_t> chunk;
   std::vector<Slab> slabs;
+  std::optional<ExternalData> external = {};  // adopted files only
 };
 
 // The datasets of a validated claim set, one per key in key order. `first_units[i]` is where the
@@ -254,6 +261,20 @@ struct VerifyReport {
   std::int64_t mismatches = 0;  // rows whose bytes differ from their checksum
   std::vector<std::string> problems;  // the first few, naming key and rows
 };
+// Makes the plain HDF5 file `plain` (datasets at the root with the non-GTP keys and global shapes,
+// contiguous and unfiltered, as h5py writes them; no shardckpt metadata) loadable as a checkpoint
+// without rewriting its data: writes the checkpoint `out`, in the same directory, whose datasets
+// keep their bytes in `plain` (HDF5 external storage) and which carries the parameter records,
+// `common`, the slab table and the checksum of every row (read from `plain` once). `plain` is not
+// changed. Throws Errc::not_a_checkpoint naming a dataset it cannot adopt, Errc::invalid_argument
+// when the records do not match the datasets, and Errc::io.
+void adopt(const std::filesystem::path& plain, const std::filesystem::path& out, const std::vector<ParamRecord>& records,
+           const std::map<std::string, CommonValue, std::less<>>& common);
+// Parameter records as JSON text (the `params` attribute of docs/format.md), and back; throws
+// Errc::invalid_argument for text that does not hold valid records.
+std::string records_text(const std::vector<ParamRecord>& records);
+std::vector<ParamRecord> records_of(std::string_view json_text);
+
 // Reads every byte of every tensor of the checkpoint and checks it against its checksum.
 // `progress(bytes_done, bytes_total)` is called as it goes.
 VerifyReport verify_checkpoint(const CheckpointReader& reader,

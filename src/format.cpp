@@ -248,9 +248,20 @@ Box box_of(const DatasetInfo& d, std::span<const std::int64_t> offset, std::span
   return footprint(d.key, d.shape, offset, count);
 }
 
+// A file name HDF5 resolves in the checkpoint's own directory: no directories, no way out of it.
+bool plain_file_name(std::string_view name) {
+  return !name.empty() && name != "." && name != ".." && name.find('/') == std::string_view::npos &&
+         name.find('\0') == std::string_view::npos;
+}
+
 Hid create_dataset(hid_t file, const DatasetSpec& d, const Where& w) {
   Hid dcpl = owned(H5Pcreate(H5P_DATASET_CREATE), H5Pclose, w);
-  if (d.chunk.empty()) {
+  if (d.external) {
+    require(plain_file_name(d.external->file), Errc::invalid_argument, "dataset ", d.key, ": external file '",
+            d.external->file, "' is not a plain file name");
+    const auto bytes = static_cast<hsize_t>(element_count(d.shape)) * dtype_size(d.dtype);
+    check(H5Pset_external(dcpl.get(), d.external->file.c_str(), static_cast<off_t>(d.external->offset), bytes), w);
+  } else if (d.chunk.empty()) {
     check(H5Pset_layout(dcpl.get(), H5D_CONTIGUOUS), w);
   } else {
     const std::vector<hsize_t> chunk(d.chunk.begin(), d.chunk.end());
@@ -258,7 +269,7 @@ Hid create_dataset(hid_t file, const DatasetSpec& d, const Where& w) {
   }
   // Allocated now and never filled: every byte has a fixed file address before any rank writes,
   // and HDF5 spends no time writing fill values that pieces overwrite.
-  check(H5Pset_alloc_time(dcpl.get(), H5D_ALLOC_TIME_EARLY), w);
+  if (!d.external) check(H5Pset_alloc_time(dcpl.get(), H5D_ALLOC_TIME_EARLY), w);
   check(H5Pset_fill_time(dcpl.get(), H5D_FILL_TIME_NEVER), w);
   const std::vector<hsize_t> dims(d.shape.begin(), d.shape.end());
   Hid space = owned(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), H5Sclose, w);
@@ -623,6 +634,7 @@ struct CheckpointReader::Impl {
   io::File file;
   std::unique_ptr<hdf5::Channel> channel;
   Hid h5;
+  Hid access;     // how datasets open: external files are found next to the checkpoint
   Hid checksums;  // the checksum table (version 2)
   int version = 0;
   bool checksummed = false;
@@ -643,6 +655,7 @@ struct CheckpointReader::Impl {
   }
   Entry& entry(std::string_view key);
   const DatasetInfo& info(std::string_view key);
+  void check_external(hid_t set, const std::string& name, const Where& w) const;
   const std::vector<Extent>& extents_for(Entry& e);
   const std::vector<Slab>& slabs_for(Entry& e);
   void read_units(std::int64_t first, std::int64_t n, std::uint64_t* out) const;
@@ -731,6 +744,8 @@ CheckpointReader::CheckpointReader(const fs::path& path, OpenOptions options) : 
   m.channel = std::make_unique<hdf5::Channel>(m.file);
   try {
     m.h5 = hdf5::open_file(*m.channel, false, Errc::not_a_checkpoint);
+    m.access = owned(H5Pcreate(H5P_DATASET_ACCESS), H5Pclose, {m.path, "", "open the file"});
+    check(H5Pset_efile_prefix(m.access.get(), "${ORIGIN}"), {m.path, "", "open the file"});
   } catch (const Error& e) {
     if (e.code() == Errc::io) throw;
     m.refuse(cat("not an HDF5 file HDF5 can open (", e.what(), ")"));
@@ -758,7 +773,8 @@ CheckpointReader::Impl::Entry& CheckpointReader::Impl::entry(std::string_view ke
     e.skipped = "not a dataset";
     return e;
   }
-  Hid set = owned(H5Dopen2(h5.get(), name.c_str(), H5P_DEFAULT), H5Dclose, dw, no);
+  Hid set = owned(H5Dopen2(h5.get(), name.c_str(), access.get()), H5Dclose, dw, no);
+  check_external(set.get(), name, dw);
   Hid type = owned(H5Dget_type(set.get()), H5Tclose, dw, no);
   const std::optional<DType> dtype = hdf5::dtype_of(type.get());
   if (!dtype) {
@@ -797,6 +813,23 @@ CheckpointReader::Impl::Entry& CheckpointReader::Impl::entry(std::string_view ke
   return e;
 }
 
+// Bytes in another file must be in a plain file of the checkpoint's own directory: a file could
+// otherwise make a load read any file its user can (/etc/shadow, say) into tensors.
+void CheckpointReader::Impl::check_external(hid_t set, const std::string& name, const Where& w) const {
+  Hid dcpl = owned(H5Dget_create_plist(set), H5Pclose, w, Errc::not_a_checkpoint);
+  const int n = H5Pget_external_count(dcpl.get());
+  if (n < 0) refuse(cat("dataset ", name, ": its external storage cannot be read"));
+  for (int i = 0; i < n; ++i) {
+    char file[256] = {};
+    off_t offset = 0;
+    hsize_t size = 0;
+    if (H5Pget_external(dcpl.get(), static_cast<unsigned>(i), sizeof file, file, &offset, &size) < 0 ||
+        std::strlen(file) >= sizeof file - 1 || !plain_file_name(file) || offset < 0)
+      refuse(cat("dataset ", name, " keeps its bytes in '", std::string_view(file, strnlen(file, sizeof file)),
+                 "', not a plain file beside the checkpoint"));
+  }
+}
+
 const DatasetInfo& CheckpointReader::Impl::info(std::string_view key) {
   Entry& e = entry(key);
   if (!e.info) refuse(cat("the object ", key, " is ", e.skipped, ", not a tensor"));
@@ -807,7 +840,7 @@ const std::vector<Extent>& CheckpointReader::Impl::extents_for(Entry& e) {
   if (e.extents) return *e.extents;
   const DatasetInfo& d = *e.info;
   const Where dw{path, d.key, "locate the dataset's data"};
-  Hid set = owned(H5Dopen2(h5.get(), d.key.c_str(), H5P_DEFAULT), H5Dclose, dw, Errc::not_a_checkpoint);
+  Hid set = owned(H5Dopen2(h5.get(), d.key.c_str(), access.get()), H5Dclose, dw, Errc::not_a_checkpoint);
   Hid type = owned(H5Dget_type(set.get()), H5Tclose, dw, Errc::not_a_checkpoint);
   std::vector<Extent> extents = extents_of(set.get(), type.get(), d.shape, d.dtype, dw);
   for (const Extent& x : extents) {
@@ -881,7 +914,7 @@ void CheckpointReader::Impl::raw_read(const DatasetInfo& d, Entry& e, const Box&
   }
   // Datasets the direct path cannot address (filtered, small chunks, another byte order) go through HDF5.
   const Where w{path, d.key, "read a piece"};
-  Hid set = owned(H5Dopen2(h5.get(), d.key.c_str(), H5P_DEFAULT), H5Dclose, w, Errc::not_a_checkpoint);
+  Hid set = owned(H5Dopen2(h5.get(), d.key.c_str(), access.get()), H5Dclose, w, Errc::not_a_checkpoint);
   hdf5::read_box(set.get(), d.dtype, d.shape, box, mem, mem_row_elems, mem_col, w);
 }
 
@@ -1036,6 +1069,113 @@ void CheckpointReader::read(const DatasetInfo& d, const Box& box, MutTensorView 
 void CheckpointReader::read(const DatasetInfo& d, std::span<const std::int64_t> offset,
                             std::span<const std::int64_t> count, MutTensorView dst, ReadOptions options) const {
   read(d, box_of(d, offset, count), dst, options);
+}
+
+std::string records_text(const std::vector<ParamRecord>& records) { return params_json(records).dump(); }
+
+std::vector<ParamRecord> records_of(std::string_view json_text) {
+  try {
+    return params_from_json(json_text);
+  } catch (const Error& e) {
+    throw Error(Errc::invalid_argument, cat("not valid parameter records: ", e.what()));
+  } catch (const std::exception& e) {
+    throw Error(Errc::invalid_argument, cat("not valid parameter records: ", e.what()));
+  }
+}
+
+namespace {
+
+// A dataset of a plain file, and where its row-major bytes are.
+struct PlainDataset {
+  std::string key;
+  DType dtype;
+  std::vector<std::int64_t> shape;
+  std::uint64_t address;
+};
+
+// The tensors at the root of a plain HDF5 file; anything adopt cannot point at is an error.
+std::vector<PlainDataset> plain_datasets(const fs::path& plain) {
+  io::File f = io::File::open_read(plain);
+  const std::uint64_t size = f.size();
+  hdf5::Channel channel(f);
+  Hid h5 = hdf5::open_file(channel, false, Errc::not_a_checkpoint);
+  std::vector<PlainDataset> out;
+  for (const std::string& name : hdf5::link_names(h5.get(), {plain, "", "list the datasets"})) {
+    const Where w{plain, name, "adopt the dataset"};
+    const auto cannot = [&](std::string_view why) {
+      throw Error(Errc::not_a_checkpoint, cat("cannot adopt ", plain.string(), ": ", name, " ", why));
+    };
+    if (name == meta_group) cannot("exists: the file is a shardckpt checkpoint already");
+    if (hdf5::object_type(h5.get(), name.c_str(), w) != H5O_TYPE_DATASET) cannot("is not a dataset");
+    Hid set = owned(H5Dopen2(h5.get(), name.c_str(), H5P_DEFAULT), H5Dclose, w, Errc::not_a_checkpoint);
+    Hid type = owned(H5Dget_type(set.get()), H5Tclose, w, Errc::not_a_checkpoint);
+    const std::optional<DType> dtype = hdf5::dtype_of(type.get());
+    std::vector<std::int64_t> shape = hdf5::shape_of(set.get(), w, Errc::not_a_checkpoint);
+    if (!dtype || !hdf5::stored_exactly(type.get(), *dtype) || shape.empty())
+      cannot("is not a tensor of a type shardckpt stores as it is (a little-endian number, at least one dimension)");
+    Hid dcpl = owned(H5Dget_create_plist(set.get()), H5Pclose, w, Errc::not_a_checkpoint);
+    const haddr_t address = H5Dget_offset(set.get());
+    H5Eclear2(H5E_DEFAULT);
+    const auto bytes = static_cast<std::uint64_t>(element_count(shape)) * dtype_size(*dtype);
+    if (H5Pget_layout(dcpl.get()) != H5D_CONTIGUOUS || H5Pget_external_count(dcpl.get()) != 0 ||
+        address == HADDR_UNDEF || address > size || bytes > size - address)
+      cannot("is not stored contiguously in the file (rewrite it with h5repack -l CONTI)");
+    out.push_back({name, *dtype, std::move(shape), address});
+  }
+  if (out.empty()) throw Error(Errc::not_a_checkpoint, cat("cannot adopt ", plain.string(), ": it holds no dataset"));
+  return out;
+}
+
+// The XXH3-64 of every row of every dataset, read from the plain file once, in dataset order.
+std::vector<std::uint64_t> row_hashes(const fs::path& plain, const std::vector<PlainDataset>& sets) {
+  const io::File f = io::File::open_read(plain);
+  std::vector<std::uint64_t> out;
+  std::vector<std::byte> batch;
+  for (const PlainDataset& d : sets) {
+    const std::int64_t row = element_count(std::span(d.shape).subspan(1)) * element_size(d.dtype);
+    const std::int64_t step = batch_rows(row);
+    for (std::int64_t r0 = 0; r0 < d.shape[0]; r0 += step) {
+      const std::int64_t n = std::min(step, d.shape[0] - r0);
+      batch.resize(static_cast<std::size_t>(n * row));
+      f.pread_all(batch.data(), batch.size(), d.address + static_cast<std::uint64_t>(r0 * row));
+      for (std::int64_t r = 0; r < n; ++r) out.push_back(row_hash(batch.data() + r * row, static_cast<std::size_t>(row)));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+void adopt(const fs::path& plain, const fs::path& out, const std::vector<ParamRecord>& records,
+           const std::map<std::string, CommonValue, std::less<>>& common) {
+  const fs::path from = fs::absolute(plain), to = fs::absolute(io::follow_links(out));
+  require(from.parent_path() == to.parent_path(), Errc::invalid_argument, "adopt: ", out.string(),
+          " must be in the directory of ", plain.string(), " (its datasets are found beside it)");
+  const std::vector<PlainDataset> sets = plain_datasets(from);
+  std::vector<DatasetSpec> specs;
+  std::int64_t units = 0;
+  for (const PlainDataset& d : sets) {
+    const Box whole = whole_box(d.shape);
+    specs.push_back({d.key, d.dtype, d.shape, std::nullopt, {}, {}, ExternalData{from.filename().string(), d.address}});
+    if (!whole.empty()) specs.back().slabs.push_back({whole, units});
+    units += units_of(whole);
+  }
+  const std::vector<std::uint64_t> hashes = row_hashes(from, sets);
+  const fs::path partial = partial_path(to);
+  try {
+    const Skeleton skeleton = create_skeleton(partial, specs, {CheckpointKind::global, records, common, io::random_id()}, units);
+    io::File f = io::File::open_update(partial);
+    if (!hashes.empty()) f.pwrite_all(hashes.data(), hashes.size() * sizeof(std::uint64_t), skeleton.checksums_address);
+    f.sync();
+    f.close();
+    mark_complete(partial, skeleton.data);
+    // The records must describe these datasets (keys, shapes, one dtype per parameter).
+    (void)CheckpointReader(partial).params();
+    commit(partial, to);
+  } catch (Error& e) {
+    discard(partial);
+    throw std::move(e.add_context(cat("adopting ", plain.string())));
+  }
 }
 
 VerifyReport verify_checkpoint(const CheckpointReader& reader,

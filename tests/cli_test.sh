@@ -290,6 +290,58 @@ assert d['mismatches'] == 0 and d['pad_rows_skipped'] > 0 and d['values_verified
 fi
 [ -n "${fs_mounted:-}" ] && umount "$dir/fs"
 
+# ---- adopt: a plain h5py file becomes loadable; its data is not rewritten ---------------------------------------
+mkdir -p "$dir/adopt"
+"$exe" demo --out "$dir/adopt/f32.h5" --dtype f32 "${small[@]}" > /dev/null || fail "f32 demo for adopt"
+$py - "$dir/adopt" <<'PY' || fail "plain files for adopt"
+import h5py, json, sys
+d = sys.argv[1]
+src = h5py.File(d + '/f32.h5', 'r')
+with h5py.File(d + '/plain.h5', 'w') as f:
+    for k in src:
+        if not k.startswith('_'):
+            f.create_dataset(k, data=src[k][...])
+json.dump(json.loads(src['_shardckpt/common'].attrs['model_config']), open(d + '/demo.json', 'w'))
+params = src['_shardckpt'].attrs['params']
+open(d + '/records.json', 'w').write(params.decode() if isinstance(params, bytes) else str(params))
+with h5py.File(d + '/chunked.h5', 'w') as f:
+    f.create_dataset('w', data=src['decoder.layers.0.norm.weight'][...], chunks=(16,))
+PY
+before=$(md5sum < "$dir/adopt/plain.h5")
+check "adopt with the demo config" "$exe" adopt "$dir/adopt/plain.h5" --model-config "$dir/adopt/demo.json" > /dev/null
+check "the plain file is unchanged" test "$(md5sum < "$dir/adopt/plain.h5")" = "$before"
+check "adopted loads and verifies at another layout" "$exe" load "$dir/adopt/plain.shardckpt.h5" --tp 2 --gtp 3 \
+  --align 8 --verify > /dev/null
+check "adopted verifies" "$exe" verify "$dir/adopt/plain.shardckpt.h5" > /dev/null
+check "adopt with parameter records" "$exe" adopt "$dir/adopt/plain.h5" --model-config "$dir/adopt/records.json" \
+  --out "$dir/adopt/by-records.h5" --json > "$dir/adopt.json"
+check "adopt json" $py -c "
+import json; d = json.load(open('$dir/adopt.json')); assert d['params'] == 8 and d['tensors'] == 26, d"
+check "h5py reads an adopted file beside its data" env HDF5_EXTFILE_PREFIX='${ORIGIN}' $py -c "
+import h5py; a = h5py.File('$dir/adopt/by-records.h5', 'r'); b = h5py.File('$dir/adopt/f32.h5', 'r')
+k = 'decoder.layers.0.mixer.in_proj.weight.z'; assert (a[k][...] == b[k][...]).all()"
+expect_rc 2 "adopt a chunked dataset" "$exe" adopt "$dir/adopt/chunked.h5" --model-config "$dir/adopt/records.json"
+check "says to store it contiguously" grep -q "not stored contiguously" "$dir/err"
+expect_rc 2 "adopt a checkpoint" "$exe" adopt "$dir/adopt/f32.h5" --model-config "$dir/adopt/records.json" --out "$dir/adopt/x.h5"
+expect_rc 2 "adopt elsewhere" "$exe" adopt "$dir/adopt/plain.h5" --model-config "$dir/adopt/demo.json" --out "$dir/x.h5"
+$py -c "
+import h5py; f = h5py.File('$dir/adopt/plain.h5', 'r+'); f['decoder.layers.0.mixer.in_proj.weight.z'][5, 7] = -3" || fail "tamper"
+expect_rc 1 "a changed value of an adopted file" "$exe" load "$dir/adopt/plain.shardckpt.h5"
+check "names the rows" grep -q "in_proj.weight.z.*rows \[5, 6)" "$dir/err"
+# A file whose dataset points at a file outside its directory is refused before anything is read.
+$py - "$dir/adopt" <<'PY' || fail "hostile external file"
+import h5py, sys
+d = sys.argv[1]
+src = h5py.File(d + '/by-records.h5', 'r')
+with h5py.File(d + '/outside.h5', 'w') as f:
+    src.copy(src['_shardckpt'], f, '_shardckpt')
+    for k in src:
+        if not k.startswith('_'):
+            f.create_dataset(k, shape=src[k].shape, dtype=src[k].dtype, external=[('/etc/hostname', 0, src[k].nbytes)])
+PY
+expect_rc 2 "a dataset in /etc/hostname" "$exe" load "$dir/adopt/outside.h5" --no-checksums
+check "names the external file" grep -q "keeps its bytes in '/etc/hostname', not a plain file beside the checkpoint" "$dir/err"
+
 # ---- errors: not a checkpoint, missing file -----------------------------------------------------------------------
 echo "hello" > "$dir/text.h5"
 expect_rc 2 "inspect a text file" "$exe" inspect "$dir/text.h5"

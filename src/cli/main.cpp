@@ -25,7 +25,7 @@ bool known_command(int argc, char** argv, const CLI::App& app) {
     for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; }))
       if (sub->get_name() == argv[i]) return true;
     std::cerr << "shardckpt: error: unknown command '" << argv[i]
-              << "' (commands: plan, demo, load, verify, reshard, inspect; see shardckpt --help)\n";
+              << "' (commands: plan, demo, load, verify, reshard, inspect, adopt; see shardckpt --help)\n";
     return false;
   }
   return true;
@@ -62,7 +62,8 @@ int main(int argc, char** argv) {
                                              {"load", cli::add_load(app, global)},
                                              {"verify", cli::add_verify(app, global)},
                                              {"reshard", cli::add_reshard(app, global)},
-                                             {"inspect", cli::add_inspect(app, global)}};
+                                             {"inspect", cli::add_inspect(app, global)},
+                                             {"adopt", cli::add_adopt(app, global)}};
   int rc = cli::success;
   try {
     if (!known_command(argc, argv, app)) {
