@@ -1,6 +1,7 @@
 // Planning at the seed's scale: 72 GDP layers, TP 8 x GTP 64 (512 ranks), alignment 32, TP-local
 // in_proj of 61,760 x 10,240 bf16. Plans only, no data.
 #include <malloc.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 
@@ -37,13 +38,24 @@ std::pair<double, double> plan_in_proj(const Seed& f, std::vector<ParamSpec>& sp
   return {best * 1e6 / f.ranks(), static_cast<double>(pieces) / f.ranks()};
 }
 
+// Address space for a shard without memory behind it (PROT_NONE, never touched): planning never
+// reads data, but its views must point somewhere.
+const std::byte* no_memory(std::size_t bytes) {
+  static const std::size_t size = bytes;
+  static void* const base = ::mmap(nullptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  require(base != MAP_FAILED && bytes <= size, Errc::internal, "cannot reserve ", bytes, " bytes of address space");
+  return static_cast<const std::byte*>(base);
+}
+
 // The state dict of one rank of the whole seed model (in_proj, conv1d, out_proj, norm per layer),
-// its shards borrowed from no memory: planning never touches data.
+// its shards borrowed from address space without memory: planning never touches data.
 StateDict seed_rank(const Seed& f, const std::vector<ParamSpec>& all, int rank) {
   StateDict state;
   for (const ParamSpec& spec : all) {
     ShardedParam p{spec, f.gtp, f.align, {rank / f.gtp, rank % f.gtp}, DType::bf16};
-    p.shard = unchecked_borrow(TensorView::borrow(nullptr, DType::bf16, p.shard_shape()));
+    const TensorView none = TensorView::borrow(nullptr, DType::bf16, p.shard_shape());
+    p.shard = unchecked_borrow(TensorView::borrow(no_memory(std::size_t{1} << 30), DType::bf16, none.shape()));
+    require(none.bytes() <= std::size_t{1} << 30, Errc::internal, "a seed shard larger than 1 GiB");
     state.add(std::move(p));
   }
   return state;

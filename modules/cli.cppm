@@ -92,8 +92,8 @@ struct RankDevice {
   std::optional<StagingPool> pool;
   const StagingPool* staging() const { return pool ? &*pool : nullptr; }
 };
-// `rank` picks the CUDA device (rank modulo the devices); the pool has two buffers of
-// staging_buffer_bytes(rank_bytes). Throws Errc::device without one.
+// `rank` picks the CUDA device (rank modulo the devices); for loads (rank_bytes > 0) the pool has
+// two buffers of staging_buffer_bytes(rank_bytes). Throws Errc::device without one.
 RankDevice open_device(const std::string& device, int rank, std::int64_t rank_bytes);
 // Pinned buffers of 64 MiB, or less for a rank whose shards are smaller (the demo's are small, and
 // each thread rank would otherwise pin 128 MiB).

@@ -7,6 +7,7 @@ module;
 #include <bit>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <functional>
@@ -788,7 +789,7 @@ CheckpointReader::Impl::Entry& CheckpointReader::Impl::entry(std::string_view ke
   }
   DatasetInfo info{name, *dtype, std::move(shape), {}, std::nullopt};
   if (hdf5::has_attr(set.get(), "global_shape", dw)) {
-    // A local file's piece: its box in the global dataset (format 1 kept an N-D offset instead).
+    // A local file's piece: its box in the global dataset (earlier files kept an N-D offset instead).
     PiecePlacement p{name, hdf5::read_ints(set.get(), "global_shape", 0, 32, dw, no), {}};
     try {
       if (hdf5::has_attr(set.get(), "global_key", dw)) p.key = hdf5::read_string(set.get(), "global_key", dw, no);
@@ -819,6 +820,12 @@ void CheckpointReader::Impl::check_external(hid_t set, const std::string& name, 
   Hid dcpl = owned(H5Dget_create_plist(set), H5Pclose, w, Errc::not_a_checkpoint);
   const int n = H5Pget_external_count(dcpl.get());
   if (n < 0) refuse(cat("dataset ", name, ": its external storage cannot be read"));
+  // HDF5 lets this variable override where external files are looked for.
+  const char* prefix = std::getenv("HDF5_EXTFILE_PREFIX");
+  if (n > 0 && prefix && std::string_view(prefix) != "${ORIGIN}")
+    throw Error(Errc::invalid_argument, cat(path.string(), ": dataset ", name, " keeps its bytes beside the ",
+                                            "checkpoint, but HDF5_EXTFILE_PREFIX=", prefix, " would make HDF5 read ",
+                                            "them elsewhere: unset it (or set it to ${ORIGIN})"));
   for (int i = 0; i < n; ++i) {
     char file[256] = {};
     off_t offset = 0;
@@ -1149,8 +1156,9 @@ std::vector<std::uint64_t> row_hashes(const fs::path& plain, const std::vector<P
 void adopt(const fs::path& plain, const fs::path& out, const std::vector<ParamRecord>& records,
            const std::map<std::string, CommonValue, std::less<>>& common) {
   const fs::path from = fs::absolute(plain), to = fs::absolute(io::follow_links(out));
-  require(from.parent_path() == to.parent_path(), Errc::invalid_argument, "adopt: ", out.string(),
-          " must be in the directory of ", plain.string(), " (its datasets are found beside it)");
+  if (from.parent_path() != to.parent_path())
+    throw Error(Errc::invalid_argument, cat("adopting ", plain.string(), ": ", out.string(),
+                                            " must be in the same directory (the checkpoint finds the bytes beside it)"));
   const std::vector<PlainDataset> sets = plain_datasets(from);
   std::vector<DatasetSpec> specs;
   std::int64_t units = 0;
@@ -1170,7 +1178,11 @@ void adopt(const fs::path& plain, const fs::path& out, const std::vector<ParamRe
     f.close();
     mark_complete(partial, skeleton.data);
     // The records must describe these datasets (keys, shapes, one dtype per parameter).
-    (void)CheckpointReader(partial).params();
+    try {
+      (void)CheckpointReader(partial).params();
+    } catch (const Error& e) {
+      throw Error(Errc::invalid_argument, cat("the parameter records do not describe its datasets: ", e.what()));
+    }
     commit(partial, to);
   } catch (Error& e) {
     discard(partial);

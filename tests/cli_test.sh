@@ -320,6 +320,9 @@ import json; d = json.load(open('$dir/adopt.json')); assert d['params'] == 8 and
 check "h5py reads an adopted file beside its data" env HDF5_EXTFILE_PREFIX='${ORIGIN}' $py -c "
 import h5py; a = h5py.File('$dir/adopt/by-records.h5', 'r'); b = h5py.File('$dir/adopt/f32.h5', 'r')
 k = 'decoder.layers.0.mixer.in_proj.weight.z'; assert (a[k][...] == b[k][...]).all()"
+expect_rc 2 "an adopted file under another HDF5_EXTFILE_PREFIX" env HDF5_EXTFILE_PREFIX=/tmp "$exe" load \
+  "$dir/adopt/by-records.h5" --no-checksums
+check "names the variable" grep -q "HDF5_EXTFILE_PREFIX=/tmp would make HDF5 read them elsewhere" "$dir/err"
 expect_rc 2 "adopt a chunked dataset" "$exe" adopt "$dir/adopt/chunked.h5" --model-config "$dir/adopt/records.json"
 check "says to store it contiguously" grep -q "not stored contiguously" "$dir/err"
 expect_rc 2 "adopt a checkpoint" "$exe" adopt "$dir/adopt/f32.h5" --model-config "$dir/adopt/records.json" --out "$dir/adopt/x.h5"

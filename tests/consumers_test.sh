@@ -37,6 +37,9 @@ check "configure the tutorial" meson setup "$work/tutorial/build" "$work/tutoria
 check "build the tutorial" meson compile -C "$work/tutorial/build"
 check "run the tutorial" bash -c "cd '$work/tutorial' && build/tutorial"
 check "h5py reads the tutorial's checkpoints" bash -c "cd '$work/tutorial' && /usr/bin/python3 read.py"
+check "run the training loop (async saves from device memory, a restart in place)" \
+  bash -c "cd '$work/tutorial' && build/training_loop"
+check "load --verify the training loop's checkpoint" "$exe" load "$work/tutorial/training.h5" --tp 2 --gtp 1 --verify
 check "verify the resharded tutorial checkpoint" "$exe" verify "$work/tutorial/resharded.h5"
 
 echo "consumers: $passed passed, $failed failed"

@@ -55,17 +55,16 @@ void save(const std::string& path) {
   const std::int64_t tp = 2, gtp = 2, align = 16;
   sc::run_ranks(tp * gtp, [&](sc::ProcessGroup& group) {
     const sc::ShardCoord coord{.tp_rank = group.rank() / gtp, .gtp_rank = group.rank() % gtp};
-    std::vector<sc::HostBuffer> shards;  // this rank's memory: the state dict only looks at it
-    sc::StateDict state;
+    sc::StateDict state;  // shares the ownership of this rank's shards
     for (const sc::ParamSpec& spec : model(tp)) {
       sc::ShardedParam p = param(spec, gtp, align, coord);
-      sc::HostBuffer& shard = shards.emplace_back(sc::HostBuffer::zeros(p.dtype, p.shard_shape()));
+      const sc::SharedBuffer shard = sc::SharedBuffer::zeros(p.dtype, p.shard_shape());
       const auto values = shard.mut_view().as<float>();
       for_each_row(p, [&](const sc::Piece& piece, std::int64_t shard_row, std::int64_t row, std::int64_t col0,
                           std::int64_t cols) {
         for (std::int64_t c = 0; c < cols; ++c) values[shard_row * cols + c] = value(piece.key, row, col0 + c);
       });
-      p.shard = shard.view();
+      p.shard = shard;
       state.add(p);
     }
     state.add_common("iteration", std::int64_t{1000});

@@ -23,8 +23,9 @@ void save_original(const char* path) {
   const std::int64_t tp = 2, gtp = 2;
   sc::run_ranks(tp * gtp, [&](sc::ProcessGroup& group) {
     sc::ShardedParam p = in_proj(tp, gtp, 16, {.tp_rank = group.rank() / gtp, .gtp_rank = group.rank() % gtp});
-    // This rank's padded shard: real rows first, zero pad rows at the tail.
-    sc::HostBuffer shard = sc::HostBuffer::zeros(p.dtype, p.shard_shape());
+    // This rank's padded shard: real rows first, zero pad rows at the tail. The state dict shares
+    // its ownership, so the memory lives as long as either of them.
+    const sc::SharedBuffer shard = sc::SharedBuffer::zeros(p.dtype, p.shard_shape());
     const auto values = shard.mut_view().as<float>();
     const sc::RankPlan plan = sc::plan_rank(p.spec, p.gtp, p.align, p.coord);
     // Each piece is a run of shard rows that lands in one block's dataset, at a global offset.
@@ -32,7 +33,7 @@ void save_original(const char* path) {
       for (std::int64_t r = 0; r < piece.rows; ++r)
         for (std::int64_t c = 0; c < plan.row_elems; ++c)
           values[(piece.shard_row + r) * plan.row_elems + c] = static_cast<float>(piece.global_offset[0] + r);
-    p.shard = shard.view();
+    p.shard = shard;
     sc::StateDict state;
     state.add(p);
     state.add_common("step", std::int64_t{100});
@@ -47,7 +48,7 @@ void reshard(const char* from, const char* to) {
     sc::StateDict request;
     request.add(p);  // no data: what this rank holds at the new layout
     const sc::LoadedState loaded = sc::load(from, request, group);
-    p.shard = loaded.tensor(p.spec.key).view();
+    p.shard = loaded.tensor(p.spec.key);
     sc::StateDict state;
     state.add(p);
     state.add_common("step", loaded.value("step"));

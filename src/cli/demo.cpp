@@ -58,7 +58,7 @@ Saved save_model(const DemoFlags& f, const demo::ModelConfig& config, const demo
   ProgressLine progress("saving ", demo::model_bytes(config, f.training.get()) / (f.save.mpi ? layout.ranks() : 1), g,
                         is_root(f.save.mpi));
   run_job(f.save.mpi, layout.ranks(), [&](ProcessGroup& group) {
-    const RankDevice device = open_device(f.device.device, group.rank(), 0);
+    const RankDevice device = open_device(f.device.device, group.rank(), 0);  // the saver has its own pool
     demo::RankModel rank = demo::build_rank(config, layout, group.rank(), training, device.placement);
     const auto phase = [&](SavePhase p) {
       if (f.phases) std::fprintf(stderr, "shardckpt: save phase: %s\n", std::string(save_phase_name(p)).c_str());
@@ -80,8 +80,11 @@ Saved save_model(const DemoFlags& f, const demo::ModelConfig& config, const demo
       saver.save(rank.state, f.out);
     }
     const std::lock_guard lock(m);
-    if (group.rank() == 0) out.seconds = seconds_since(t0);
-    out.blocking_seconds = std::max(out.blocking_seconds, f.async ? blocking : out.seconds);
+    // Rank 0's clock, as for the save's seconds (rank 0 reports, also in an MPI job).
+    if (group.rank() == 0) {
+      out.seconds = seconds_since(t0);
+      out.blocking_seconds = f.async ? blocking : out.seconds;
+    }
     out.shard_bytes += rank.shard_bytes;
     out.pad_rows += rank.pad_rows;
     out.staging_bytes += static_cast<std::int64_t>(saver.staging_bytes());

@@ -1,4 +1,4 @@
-// The shardckpt command-line tool: plan, demo, load, verify, reshard, inspect (docs/cli.md).
+// The shardckpt command-line tool: plan, demo, load, verify, reshard, inspect, adopt (docs/cli.md).
 #include <CLI/CLI.hpp>
 #ifdef SHARDCKPT_HAVE_MPI
 #include <mpi.h>

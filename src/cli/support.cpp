@@ -130,7 +130,7 @@ RankDevice open_device(const std::string& device, int rank, std::int64_t rank_by
 #endif
   }
   out.placement = {MemoryKind::device, out.engine.get()};
-  out.pool.emplace(*out.engine, staging_buffer_bytes(rank_bytes));
+  if (rank_bytes > 0) out.pool.emplace(*out.engine, staging_buffer_bytes(rank_bytes));
   return out;
 }
 
