@@ -11,6 +11,7 @@ export module shardckpt.dist.nccl;
 import shardckpt.core;
 import shardckpt.views;
 import shardckpt.dist;
+import shardckpt.cuda;
 
 export namespace shardckpt {
 

@@ -49,6 +49,13 @@ class CopyEngine {
   virtual EngineStats stats() const = 0;
   // Free memory on the device as the device reports it (0 where it cannot tell).
   virtual std::size_t free_device_memory() const { return 0; }
+
+ protected:
+  // Throws Errc::invalid_argument unless `device` is this engine's memory, `host` is host memory and
+  // both have the same bytes; `what` names the copy.
+  void check_copy(std::string_view what, TensorView device, TensorView host) const;
+  // The same for a zero fill of `device`.
+  void check_zero(TensorView device) const;
 };
 
 // Page-aligned host memory locked with mlock where the system allows (what pinned means without

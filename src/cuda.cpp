@@ -87,11 +87,7 @@ SharedBuffer CudaEngine::allocate_device(DType dtype, Extents shape) {
 }
 
 void CudaEngine::copy_to_host(TensorView device_src, MutTensorView host_dst) {
-  require(device_src.bytes() == host_dst.bytes(), Errc::invalid_argument, "a copy to the host of ", device_src.bytes(),
-          " bytes into ", host_dst.bytes());
-  require(device_src.space() == device() && host_dst.space().host_accessible(), Errc::invalid_argument,
-          "copy_to_host: from ", memory_space_text(device_src.space()), " to ", memory_space_text(host_dst.space()),
-          " memory on CUDA device ", impl_->device);
+  check_copy("a copy to the host", device_src, host_dst);
   if (device_src.empty()) return;
   impl_->use();
   check(cudaMemcpyAsync(host_dst.data(), device_src.data(), device_src.bytes(), cudaMemcpyDeviceToHost, impl_->stream),
@@ -101,11 +97,7 @@ void CudaEngine::copy_to_host(TensorView device_src, MutTensorView host_dst) {
 }
 
 void CudaEngine::copy_to_device(TensorView host_src, MutTensorView device_dst) {
-  require(host_src.bytes() == device_dst.bytes(), Errc::invalid_argument, "a copy to the device of ", host_src.bytes(),
-          " bytes into ", device_dst.bytes());
-  require(device_dst.space() == device() && host_src.space().host_accessible(), Errc::invalid_argument,
-          "copy_to_device: from ", memory_space_text(host_src.space()), " to ", memory_space_text(device_dst.space()),
-          " memory on CUDA device ", impl_->device);
+  check_copy("a copy to the device", device_dst, host_src);
   if (host_src.empty()) return;
   impl_->use();
   check(cudaMemcpyAsync(device_dst.data(), host_src.data(), host_src.bytes(), cudaMemcpyHostToDevice, impl_->stream),
@@ -115,8 +107,7 @@ void CudaEngine::copy_to_device(TensorView host_src, MutTensorView device_dst) {
 }
 
 void CudaEngine::zero(MutTensorView device_dst) {
-  require(device_dst.space() == device(), Errc::invalid_argument, "zero: ", memory_space_text(device_dst.space()),
-          " memory on CUDA device ", impl_->device);
+  check_zero(device_dst);
   if (device_dst.empty()) return;
   impl_->use();
   check(cudaMemsetAsync(device_dst.data(), 0, device_dst.bytes(), impl_->stream), "cudaMemsetAsync");

@@ -41,14 +41,7 @@ struct NcclGroup::Impl {
   void sync() { check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize"); }
 };
 
-int NcclGroup::devices() noexcept {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    cudaGetLastError();  // clear the sticky "no driver" error
-    return 0;
-  }
-  return n;
-}
+int NcclGroup::devices() noexcept { return CudaEngine::devices(); }
 
 NcclGroup::NcclGroup(ProcessGroup& bootstrap, int device) : impl_(std::make_unique<Impl>()) {
   rank_ = bootstrap.rank();

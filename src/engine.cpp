@@ -35,11 +35,20 @@ void* map_pages(std::size_t bytes, int protection) {
   return p;
 }
 
-void require_same_bytes(TensorView a, TensorView b, std::string_view what) {
-  require(a.bytes() == b.bytes(), Errc::invalid_argument, what, ": ", a.bytes(), " bytes to ", b.bytes(), " bytes");
+}  // namespace
+
+void CopyEngine::check_copy(std::string_view what, TensorView device, TensorView host) const {
+  require(device.bytes() == host.bytes(), Errc::invalid_argument, what, " on ", name(), " ", memory_space_text(this->device()),
+          ": ", device.bytes(), " bytes of device memory, ", host.bytes(), " bytes of host memory");
+  require(device.space() == this->device() && host.space().host_accessible(), Errc::invalid_argument, what, " on ",
+          name(), " ", memory_space_text(this->device()), " between ", memory_space_text(device.space()), " and ",
+          memory_space_text(host.space()), " memory");
 }
 
-}  // namespace
+void CopyEngine::check_zero(TensorView device) const {
+  require(device.space() == this->device(), Errc::invalid_argument, "zeroing ", memory_space_text(device.space()),
+          " memory on ", name(), " ", memory_space_text(this->device()));
+}
 
 SharedBuffer allocate_locked(std::size_t bytes) {
   const std::size_t size = round_to_pages(bytes);
@@ -149,10 +158,7 @@ SharedBuffer EmulatedDevice::allocate_device(DType dtype, Extents shape) {
 }
 
 void EmulatedDevice::copy_to_host(TensorView device_src, MutTensorView host_dst) {
-  require_same_bytes(device_src, host_dst, "a copy to the host");
-  require(device_src.space() == device() && host_dst.space().host_accessible(), Errc::invalid_argument,
-          "copy_to_host: from ", memory_space_text(device_src.space()), " to ", memory_space_text(host_dst.space()),
-          " memory on the emulated device ", impl_->id);
+  check_copy("a copy to the host", device_src, host_dst);
   ++impl_->copies_to_host;
   impl_->bytes_to_host += device_src.bytes();
   impl_->enqueue([src = device_src.data(), dst = host_dst.data(), n = device_src.bytes()] {
@@ -161,10 +167,7 @@ void EmulatedDevice::copy_to_host(TensorView device_src, MutTensorView host_dst)
 }
 
 void EmulatedDevice::copy_to_device(TensorView host_src, MutTensorView device_dst) {
-  require_same_bytes(host_src, device_dst, "a copy to the device");
-  require(device_dst.space() == device() && host_src.space().host_accessible(), Errc::invalid_argument,
-          "copy_to_device: from ", memory_space_text(host_src.space()), " to ", memory_space_text(device_dst.space()),
-          " memory on the emulated device ", impl_->id);
+  check_copy("a copy to the device", device_dst, host_src);
   ++impl_->copies_to_device;
   impl_->bytes_to_device += host_src.bytes();
   impl_->enqueue([src = host_src.data(), dst = device_dst.data(), n = host_src.bytes()] {
@@ -173,8 +176,7 @@ void EmulatedDevice::copy_to_device(TensorView host_src, MutTensorView device_ds
 }
 
 void EmulatedDevice::zero(MutTensorView device_dst) {
-  require(device_dst.space() == device(), Errc::invalid_argument, "zero: ", memory_space_text(device_dst.space()),
-          " memory on the emulated device ", impl_->id);
+  check_zero(device_dst);
   ++impl_->zero_fills;
   impl_->enqueue([dst = device_dst.data(), n = device_dst.bytes()] {
     Impl::with_pages(dst, n, PROT_READ | PROT_WRITE, [&] { std::memset(dst, 0, n); });

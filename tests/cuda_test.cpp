@@ -10,22 +10,16 @@
 #include <vector>
 
 #include "test_support.hpp"
+#include "test_model.hpp"
 import shardckpt;
 import shardckpt.cuda;
 import shardckpt.demo;
 
 using namespace shardckpt;
+using testing_support::tiny_model;
 
 namespace {
 
-demo::ModelConfig small_model() {
-  demo::ModelConfig c;
-  c.gdp_layers = 1;
-  c.mamba_layers = 1;
-  c.dims = {.heads = 8, .head_dim = 4, .groups = 4, .state = 4, .householder = 2};
-  c.cols = 64;
-  return c;
-}
 
 #define REQUIRE_GPU() \
   if (CudaEngine::devices() == 0) GTEST_SKIP() << "no CUDA device"
@@ -54,7 +48,7 @@ TEST(Cuda, CopiesAndZeroFillsRunInStreamOrder) {
 TEST(Cuda, DeviceShardsSaveWithoutDeviceMemoryAndLoadInPlace) {
   REQUIRE_GPU();
   testing_support::ScratchDir dir;
-  const auto c = small_model();
+  const auto c = tiny_model();
   const demo::Training adam{.adam = true, .distributed = true};
   run_ranks(2, [&](ProcessGroup& g) {
     CudaEngine engine(0);
@@ -80,7 +74,7 @@ TEST(Cuda, DeviceShardsSaveWithoutDeviceMemoryAndLoadInPlace) {
 TEST(Cuda, AsyncSaveFromTheDeviceKeepsTheWeightsAsTheyWere) {
   REQUIRE_GPU();
   testing_support::ScratchDir dir;
-  const auto c = small_model();
+  const auto c = tiny_model();
   const demo::Layout l{1, 2, 8, 1};
   run_ranks(2, [&](ProcessGroup& g) {
     CudaEngine engine(0);

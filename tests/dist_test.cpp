@@ -19,23 +19,17 @@
 #include <vector>
 
 #include "test_support.hpp"
+#include "test_model.hpp"
 import shardckpt;
 import shardckpt.demo;
 
 using namespace shardckpt;
+using testing_support::tiny_model;
 using testing_support::file_bytes;
 using testing_support::ScratchDir;
 
 namespace {
 
-demo::ModelConfig small_model() {
-  demo::ModelConfig c;
-  c.gdp_layers = 1;
-  c.mamba_layers = 1;
-  c.dims = {.heads = 8, .head_dim = 2, .groups = 4, .state = 4, .householder = 2};
-  c.cols = 16;
-  return c;
-}
 
 // Mismatches against the pattern after a load at `l` (each failing the test when `expect_none`).
 std::int64_t mismatches_at(const demo::ModelConfig& c, const demo::Layout& l, const std::filesystem::path& path,
@@ -113,7 +107,7 @@ struct Probe : ProcessGroup {
 
 TEST(ThreadRanks, EightRanksSaveOneCheckpointAndLoadAtAnotherLayout) {
   ScratchDir dir;
-  const auto c = small_model();
+  const auto c = tiny_model();
   const demo::Layout save_layout{2, 4, 8, 1};
   ASSERT_EQ(save_layout.ranks(), 8);
   run_ranks(8, [&](ProcessGroup& g) {
@@ -136,7 +130,7 @@ assert f["decoder.layers.0.mixer.in_proj.weight.z"].chunks is None
 
 TEST(ThreadRanks, HyperslabPathTakesTurnsAndWritesTheSameFile) {
   ScratchDir dir;
-  const auto c = small_model();
+  const auto c = tiny_model();
   const demo::Layout l{2, 2, 4, 1};
   for (IoMethod m : {IoMethod::direct, IoMethod::hyperslab})
     run_ranks(l.ranks(), [&](ProcessGroup& g) {
@@ -153,7 +147,7 @@ TEST(ThreadRanks, HyperslabPathTakesTurnsAndWritesTheSameFile) {
 // is not (so every copy writes, and only its share).
 TEST(ThreadRanks, DataParallelReplicasEachWriteTheirShare) {
   ScratchDir dir;
-  const auto c = small_model();
+  const auto c = tiny_model();
   const demo::Layout l{2, 2, 8, 3};
   for (const bool poison_own : {false, true}) {
     run_ranks(l.ranks(), [&](ProcessGroup& g) {
@@ -219,7 +213,7 @@ TEST(Validation, OverlapGapAndDtypeMismatchStopTheSaveBeforeAnyByteIsWritten) {
 
 TEST(Failure, ARankThatDiesMidSaveLeavesTheEarlierCheckpointIntact) {
   ScratchDir dir;
-  const auto c = small_model();
+  const auto c = tiny_model();
   const demo::Layout l{2, 2, 8, 1};
   const auto path = dir / "c.h5";
   run_ranks(l.ranks(), [&](ProcessGroup& g) {
@@ -413,7 +407,7 @@ void save_layout(const demo::ModelConfig& c, const demo::Layout& l, const demo::
 // with a padding-only rank on both sides: every value comes back.
 TEST(DistributedOptimizer, DataParallelDegreeChangesWithTpGtpAndAlignment) {
   ScratchDir dir;
-  const auto c = small_model();
+  const auto c = tiny_model();
   ASSERT_EQ(c.dtype, DType::bf16);
   const demo::Training adam{.adam = true, .distributed = true};
   struct Case {
@@ -450,7 +444,7 @@ TEST(DistributedOptimizer, DataParallelDegreeChangesWithTpGtpAndAlignment) {
 // rank with Errc::tiling naming the key, before anything is written.
 TEST(Validation, AFlatRangeShiftedByOneElementStopsTheSaveOnEveryRank) {
   ScratchDir dir;
-  const auto c = small_model();
+  const auto c = tiny_model();
   const demo::Training adam{.adam = true, .distributed = true};
   const demo::Layout l{1, 2, 8, 2};
   const std::string victim = "optimizer.state.exp_avg.decoder.layers.0.mixer.in_proj.weight";
@@ -508,7 +502,7 @@ TEST(Validation, AFlatRangeShiftedByOneElementStopsTheSaveOnEveryRank) {
 // are those of one copy.
 TEST(ReplicaReads, EachCopyReadsItsShareAndReceivesTheRest) {
   ScratchDir dir;
-  const auto c = small_model();
+  const auto c = tiny_model();
   const demo::Training adam{.adam = true};  // Adam state replicated across DP, like the parameters
   save_layout(c, {2, 2, 8, 1}, adam, dir / "c.h5");
   const ReplicaLoad once = load_through_replicas(c, {1, 2, 8, 1}, adam, dir / "c.h5");
@@ -528,7 +522,7 @@ TEST(ReplicaReads, EachCopyReadsItsShareAndReceivesTheRest) {
 // zeroes the pad rows.
 TEST(ReplicaReads, ACopyThatReadsItsOwnShareFillsOnlyThoseRows) {
   ScratchDir dir;
-  const auto c = small_model();
+  const auto c = tiny_model();
   const demo::Layout l{1, 2, 8, 2};
   save_layout(c, {2, 2, 8, 1}, {}, dir / "c.h5");
   std::int64_t untouched_rows = 0;

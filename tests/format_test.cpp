@@ -16,10 +16,12 @@
 
 #include "fuzz_one.hpp"
 #include "test_support.hpp"
+#include "test_model.hpp"
 import shardckpt;
 import shardckpt.io;
 
 using namespace shardckpt;
+using testing_support::error_of;
 using testing_support::have_python_module;
 using testing_support::run_python;
 using testing_support::ScratchDir;
@@ -73,16 +75,6 @@ std::vector<float> read_out(const CheckpointReader& r, ReadOptions options = {})
   return {v.begin(), v.end()};
 }
 
-template <class Fn>
-Error error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e;
-  }
-  ADD_FAILURE() << "no error";
-  return Error(Errc::internal, "no error");
-}
 
 bool contains(std::string_view text, std::string_view part) { return text.find(part) != std::string_view::npos; }
 

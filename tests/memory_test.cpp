@@ -17,34 +17,19 @@
 #include <vector>
 
 #include "test_support.hpp"
+#include "test_model.hpp"
 import shardckpt;
 import shardckpt.demo;
 
 using namespace shardckpt;
+using testing_support::tiny_model;
+using testing_support::error_of;
 using testing_support::file_bytes;
 using testing_support::ScratchDir;
 
 namespace {
 
-demo::ModelConfig small_model() {
-  demo::ModelConfig c;
-  c.gdp_layers = 1;
-  c.mamba_layers = 1;
-  c.dims = {.heads = 8, .head_dim = 2, .groups = 4, .state = 4, .householder = 2};
-  c.cols = 16;
-  return c;
-}
 
-template <class Fn>
-Error error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e;
-  }
-  ADD_FAILURE() << "no error";
-  return Error(Errc::internal, "none");
-}
 
 // Host memory seen through a CopyEngine: copies it out and in (tests only).
 std::vector<float> read_device(CopyEngine& engine, TensorView device) {
@@ -193,7 +178,7 @@ TEST(DeviceSave, CopiesOverlapWritesThroughTwoReusedBuffers) {
 
 TEST(DeviceSave, TenSavesAllocateNoDeviceMemoryAndNoMorePinnedMemory) {
   ScratchDir dir;
-  const auto c = small_model();
+  const auto c = tiny_model();
   const demo::Layout l{2, 2, 8, 1};
   const demo::Training adam{.adam = true};
   run_ranks(l.ranks(), [&](ProcessGroup& g) {
@@ -213,7 +198,7 @@ TEST(DeviceSave, TenSavesAllocateNoDeviceMemoryAndNoMorePinnedMemory) {
 
 TEST(DeviceSave, DeviceShardsWithoutAnEngineFailEveryRankAndWriteNothing) {
   ScratchDir dir;
-  const auto c = small_model();
+  const auto c = tiny_model();
   const demo::Layout l{1, 2, 0, 1};
   std::vector<std::optional<Errc>> codes(2);
   EmulatedDevice device;
@@ -239,7 +224,7 @@ TEST(DeviceSave, DeviceShardsWithoutAnEngineFailEveryRankAndWriteNothing) {
 
 TEST(LoadInPlace, FillsDeviceShardsThroughThePoolAndAllocatesNothing) {
   ScratchDir dir;
-  const auto c = small_model();
+  const auto c = tiny_model();
   const demo::Training adam{.adam = true, .distributed = true};
   run_ranks(4, [&](ProcessGroup& g) {
     demo::RankModel m = demo::build_rank(c, {2, 1, 0, 2}, g.rank(), adam);
@@ -274,7 +259,7 @@ TEST(LoadInPlace, FillsDeviceShardsThroughThePoolAndAllocatesNothing) {
 
 TEST(LoadInPlace, DeviceDestinationsWithoutAPoolAreRefused) {
   ScratchDir dir;
-  const auto c = small_model();
+  const auto c = tiny_model();
   demo::RankModel m = demo::build_rank(c, {1, 1, 0, 1}, 0);
   save(m.state, dir / "a.h5");
   EmulatedDevice device;
@@ -300,7 +285,7 @@ TEST(LoadInPlace, AReadOnlyBorrowCannotBeLoadedInto) {
 // they were when it was called.
 TEST(AsyncSave, ReturnsOnceStagedAndSavesTheWeightsAsTheyWere) {
   ScratchDir dir;
-  const auto c = small_model();
+  const auto c = tiny_model();
   const demo::Layout l{2, 2, 8, 1};
   for (const bool on_device : {false, true}) {
     run_ranks(l.ranks(), [&](ProcessGroup& g) {
@@ -328,7 +313,7 @@ TEST(AsyncSave, ReturnsOnceStagedAndSavesTheWeightsAsTheyWere) {
 
 TEST(AsyncSave, StagingIsSizedOnceAndNeverGrows) {
   ScratchDir dir;
-  const auto c = small_model();
+  const auto c = tiny_model();
   const demo::Layout l{1, 2, 0, 1};
   std::vector<std::string> messages(2);
   run_ranks(l.ranks(), [&](ProcessGroup& g) {
@@ -359,7 +344,7 @@ TEST(AsyncSave, StagingIsSizedOnceAndNeverGrows) {
 
 TEST(AsyncSave, AFailureInTheBackgroundIsEveryRanksOutcomeAndCommitsNothing) {
   ScratchDir dir;
-  const auto c = small_model();
+  const auto c = tiny_model();
   const demo::Layout l{1, 2, 0, 1};
   std::atomic<int> failed{0};
   run_ranks(l.ranks(), [&](ProcessGroup& g) {
@@ -382,7 +367,7 @@ TEST(AsyncSave, AFailureInTheBackgroundIsEveryRanksOutcomeAndCommitsNothing) {
 // A second save waits for the first: one save in flight per saver.
 TEST(AsyncSave, OneSaveInFlightPerSaver) {
   ScratchDir dir;
-  const auto c = small_model();
+  const auto c = tiny_model();
   run_ranks(2, [&](ProcessGroup& g) {
     demo::RankModel m = demo::build_rank(c, {1, 2, 0, 1}, g.rank());
     Saver saver(g);

@@ -17,10 +17,12 @@
 #include <vector>
 
 #include "test_support.hpp"
+#include "test_model.hpp"
 import shardckpt;
 import shardckpt.demo;
 
 using namespace shardckpt;
+using testing_support::error_of;
 using testing_support::file_bytes;
 using testing_support::ScratchDir;
 
@@ -57,16 +59,6 @@ std::int64_t load_mismatches(const demo::ModelConfig& c, const demo::Layout& l, 
   return bad.load();
 }
 
-template <class Fn>
-Error error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e;
-  }
-  ADD_FAILURE() << "no error";
-  return Error(Errc::io, "none");
-}
 
 float as_f32(TensorView b, std::size_t i) {
   return b.dtype() == DType::bf16 ? to_f32(b.as<bf16>()[i]) : b.as<float>()[i];
@@ -132,15 +124,21 @@ TEST(Save, NoPadRowReachesTheFile) {
   EXPECT_GT(total, 0);
 }
 
+// The spec's reference layer: GDP sections (10, 3, 2, 3) at TP 2 (dI 10, gS 3, nH 2), 8 columns.
+demo::ModelConfig reference_model() {
+  demo::ModelConfig c;
+  c.gdp_layers = 1;
+  c.mamba_layers = 0;
+  c.dims = {.heads = 4, .head_dim = 5, .groups = 2, .state = 3, .householder = 3};
+  c.cols = 8;
+  return c;
+}
+
 // The reference case: TP 2, GTP 2, A 16, GDP (10, 3, 2, 3): the assembled blocks equal what the
 // non-GTP TP 2 save writes, key by key and value by value.
 TEST(Save, ReferenceCaseEqualsThePlainTpSave) {
   ScratchDir dir;
-  demo::ModelConfig c;
-  c.gdp_layers = 1;
-  c.mamba_layers = 0;
-  c.dims = {.heads = 4, .head_dim = 5, .groups = 2, .state = 3, .householder = 3};  // dI 10, gS 3, nH 2 at TP 2
-  c.cols = 8;
+  const demo::ModelConfig c = reference_model();
   ASSERT_EQ(demo::params(c, 2)[0].rows(), 60);
   save_model(c, {2, 2, 16, 1}, dir / "gtp.h5");
   save_model(c, {2, 1, 0, 1}, dir / "plain.h5");
@@ -163,11 +161,7 @@ TEST(Save, ReferenceCaseEqualsThePlainTpSave) {
 // save; after a save and a load each shard is its part of the padded TP-local tensor.
 TEST(Save, ReferenceCasePiecesAreThePlainTpChunksAndLoadsGiveThePaddedTpLocalTensor) {
   ScratchDir dir;
-  demo::ModelConfig c;
-  c.gdp_layers = 1;
-  c.mamba_layers = 0;
-  c.dims = {.heads = 4, .head_dim = 5, .groups = 2, .state = 3, .householder = 3};  // dI 10, gS 3, nH 2 at TP 2
-  c.cols = 8;
+  const demo::ModelConfig c = reference_model();
   const demo::Layout gtp{2, 2, 16, 1}, plain{2, 1, 0, 1};
   const std::vector<ParamSpec> specs = demo::params(c, 2);
   ASSERT_EQ(specs[0].rows(), 60);
