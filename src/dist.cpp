@@ -657,6 +657,93 @@ std::string_view save_phase_name(SavePhase phase) noexcept {
 
 namespace {
 
+// What a rank sends rank 0 in planning: its checksum units, its claims, the parameter records whose
+// first element it writes, and (rank 0) the common values.
+Bytes planning_payload(const SavePlan& plan, int me) {
+  const std::vector<Claim> claims = claims_of(plan, me);
+  std::int64_t units = 0;
+  for (const Claim& c : claims) units = checked_add(units, claim_units(c), "checksum units");
+  Writer w;
+  w.i64(units);
+  w.i64(static_cast<std::int64_t>(plan.items.size()));
+  for (const SaveItem& i : plan.items) put_claim(w, i);
+  const std::set<std::string_view> firsts = first_elements(plan);
+  std::vector<const ParamRecord*> owned;
+  for (const ParamRecord& r : plan.params)
+    if (firsts.contains(block_key(r.key, r.blocks.front().name))) owned.push_back(&r);
+  w.i64(static_cast<std::int64_t>(owned.size()));
+  for (const ParamRecord* r : owned) put_record(w, *r);
+  put_common(w, me == 0 ? plan.common : decltype(plan.common){});
+  return w.take();
+}
+
+// Where a save writes: the link-followed target and its partial file; and on rank 0 the raw data
+// ranges of the skeleton, which the seal leaves out.
+struct Destination {
+  fs::path target, partial;
+  std::vector<ByteRange> data;
+};
+
+// Rank 0's verdict on every rank's plan: validated together, the skeleton created, and for every rank
+// the datasets' extents and where its checksums start.
+Bytes create_checkpoint(const std::vector<std::span<const std::byte>>& payloads, const fs::path& path,
+                        const SaveOptions& options, Destination& dest) {
+  CheckpointContents contents;
+  contents.id = io::random_id();
+  contents.checksummed = options.checksums;
+  Planned planned = validate_in_parts(payloads, contents);
+  if (!options.checksums) planned.units = 0;
+  // A link is followed: the checkpoint replaces its target, in the target's directory.
+  dest.target = io::follow_links(path);
+  dest.partial = partial_path(dest.target);
+  const Skeleton skeleton = create_skeleton(dest.partial, planned.specs, contents, planned.units);
+  dest.data = skeleton.data;
+  Writer w;
+  w.str(dest.target.string());
+  w.i64(static_cast<std::int64_t>(skeleton.datasets.size()));
+  for (const DatasetInfo& d : skeleton.datasets) put_dataset(w, d);
+  w.i64(static_cast<std::int64_t>(skeleton.checksums_address));
+  w.dims(options.checksums ? planned.first_units : std::vector<std::int64_t>{});
+  return w.take();
+}
+
+// What every rank learns from the verdict: the datasets, and its checksum slot (none without checksums).
+struct Created {
+  std::vector<DatasetInfo> datasets;
+  std::optional<ChecksumSlot> slot;
+};
+
+Created read_verdict(const Bytes& verdict, int me, int ranks, Destination& dest) {
+  Reader r(verdict);
+  dest.target = r.str();
+  dest.partial = partial_path(dest.target);
+  Created out;
+  for (std::int64_t n = r.i64(); n > 0; --n) out.datasets.push_back(get_dataset(r));
+  const auto checksums_address = static_cast<std::uint64_t>(r.i64());
+  const std::vector<std::int64_t> first_units = r.dims();
+  require(first_units.empty() || first_units.size() == static_cast<std::size_t>(ranks), Errc::collective,
+          "the planning verdict does not have one checksum start per rank");
+  if (!first_units.empty()) out.slot = ChecksumSlot{checksums_address, first_units[static_cast<std::size_t>(me)]};
+  return out;
+}
+
+// Every rank writes its own pieces and their checksums: all at once on the direct path; on the
+// hyperslab path one rank at a time, since HDF5 must not have one file open for writing in two
+// processes.
+void write_pieces(ProcessGroup& group, const SavePlan& plan, const Created& created, const fs::path& partial,
+                  const SaveOptions& options) {
+  const auto write_mine = [&] {
+    PieceWriter writer(partial, options.method, created.slot, options.progress);
+    write_items(plan, created.datasets, writer, options.staging);
+    writer.finish();
+  };
+  if (options.method == IoMethod::direct) return agree(group, "writing pieces", write_mine);
+  for (int turn = 0; turn < group.size(); ++turn)
+    agree(group, "writing pieces", [&] {
+      if (turn == group.rank()) write_mine();
+    });
+}
+
 // A save of the plan that `make_plan` returns on each rank (called once, in the planning phase, so
 // that its errors are the save's collective errors).
 void save_with(const std::function<SavePlan()>& make_plan, const fs::path& path, ProcessGroup& group,
@@ -666,95 +753,37 @@ void save_with(const std::function<SavePlan()>& make_plan, const fs::path& path,
   const auto phase = [&](SavePhase p) {
     if (me == 0 && options.on_phase) options.on_phase(p);
   };
-  fs::path target, partial;
-  std::vector<ByteRange> data;  // rank 0: the raw data ranges of the file, for the seal
+  Destination dest;
   try {
     SavePlan plan;
     phase(SavePhase::planning);
-    // 1. Every rank's claims reach rank 0, which validates them all together before anything touches
-    // the disk, lays out the checksum table, then creates the file with every dataset at its global
-    // shape. Every rank learns the verdict: the datasets' extents and where its checksums go. Only
-    // rank 0 ever holds all claims.
-    const Bytes created = decide_at_root(
+    // 1. Every rank's claims reach rank 0 only, which validates them all together before anything
+    // touches the disk and creates the file with every dataset at its global shape.
+    const Bytes verdict = decide_at_root(
         group, "planning, validating and creating the checkpoint",
         [&] {
           plan = make_plan();
-          const std::vector<Claim> claims = claims_of(plan, me);
-          std::int64_t units = 0;
-          for (const Claim& c : claims) units = checked_add(units, claim_units(c), "checksum units");
-          Writer w;
-          w.i64(units);
-          w.i64(static_cast<std::int64_t>(plan.items.size()));
-          for (const SaveItem& i : plan.items) put_claim(w, i);
-          const std::set<std::string_view> firsts = first_elements(plan);
-          std::vector<const ParamRecord*> owned;
-          for (const ParamRecord& r : plan.params)
-            if (firsts.contains(block_key(r.key, r.blocks.front().name))) owned.push_back(&r);
-          w.i64(static_cast<std::int64_t>(owned.size()));
-          for (const ParamRecord* r : owned) put_record(w, *r);
-          put_common(w, me == 0 ? plan.common : decltype(plan.common){});
-          return w.take();
+          return planning_payload(plan, me);
         },
         [&](const std::vector<std::span<const std::byte>>& payloads) {
-          CheckpointContents contents;
-          contents.id = io::random_id();
-          contents.checksummed = options.checksums;
-          Planned planned = validate_in_parts(payloads, contents);
-          if (!options.checksums) planned.units = 0;
-          // A link is followed: the checkpoint replaces its target, in the target's directory.
-          target = io::follow_links(path);
-          partial = partial_path(target);
-          const Skeleton skeleton = create_skeleton(partial, planned.specs, contents, planned.units);
-          data = skeleton.data;
-          Writer w;
-          w.str(target.string());
-          w.i64(static_cast<std::int64_t>(skeleton.datasets.size()));
-          for (const DatasetInfo& d : skeleton.datasets) put_dataset(w, d);
-          w.i64(static_cast<std::int64_t>(skeleton.checksums_address));
-          w.dims(options.checksums ? planned.first_units : std::vector<std::int64_t>{});
-          return w.take();
+          return create_checkpoint(payloads, path, options, dest);
         });
-    Reader r(created);
-    target = r.str();
-    partial = partial_path(target);
-    std::vector<DatasetInfo> datasets;
-    for (std::int64_t n = r.i64(); n > 0; --n) datasets.push_back(get_dataset(r));
-    const auto checksums_address = static_cast<std::uint64_t>(r.i64());
-    const std::vector<std::int64_t> first_units = r.dims();  // empty: no checksums
-    require(first_units.empty() || first_units.size() == static_cast<std::size_t>(group.size()), Errc::collective,
-            "the planning verdict does not have one checksum start per rank");
-    const std::optional<ChecksumSlot> slot =
-        first_units.empty() ? std::nullopt
-                            : std::optional<ChecksumSlot>({checksums_address, first_units[static_cast<std::size_t>(me)]});
-    // 2. Every rank writes its own pieces and their checksums: all at once on the direct path; on the
-    // hyperslab path one rank at a time, since HDF5 must not have one file open for writing in two
-    // processes.
+    const Created created = read_verdict(verdict, me, group.size(), dest);
+    // 2. Every rank writes and syncs its pieces.
     phase(SavePhase::writing);
-    auto write_mine = [&] {
-      PieceWriter writer(partial, options.method, slot, options.progress);
-      write_items(plan, datasets, writer, options.staging);
-      writer.finish();
-    };
-    if (options.method == IoMethod::direct) {
-      agree(group, "writing pieces", write_mine);
-    } else {
-      for (int turn = 0; turn < group.size(); ++turn)
-        agree(group, "writing pieces", [&] {
-          if (turn == me) write_mine();
-        });
-    }
-    // 3. Only when every rank has written and synced its pieces does rank 0 commit.
+    write_pieces(group, plan, created, dest.partial, options);
+    // 3. Only when every rank has written and synced its pieces does rank 0 seal and commit.
     phase(SavePhase::committing);
     agree(group, "committing the checkpoint", [&] {
       if (me == 0) {
-        mark_complete(partial, data);
-        commit(partial, target);
+        mark_complete(dest.partial, dest.data);
+        commit(dest.partial, dest.target);
       }
     });
     phase(SavePhase::committed);
   } catch (Error& e) {
     // Nothing was committed; whatever rank 0 had created goes.
-    if (me == 0 && !partial.empty()) discard(partial);
+    if (me == 0 && !dest.partial.empty()) discard(dest.partial);
     throw std::move(e.add_context(cat("saving ", path.string())));
   }
 }

@@ -93,6 +93,7 @@ TEST(Groups, AnAbortReachesGroupsSplitFromTheAbortedOne) {
   try {
     run_ranks(4, [&](ProcessGroup& g) {
       const std::unique_ptr<ProcessGroup> part = g.split(g.rank() / 2, g.rank());
+      g.barrier();  // every rank holds its part before rank 3 fails
       if (g.rank() == 3) throw Error(Errc::io, "rank 3 fails");
       try {
         part->barrier();  // rank 2 waits for rank 3 in the part, which never comes
