@@ -7,18 +7,9 @@ Usage: docs_test.py  (from the repository root). Prints "docs: N passed, N faile
 import glob
 import os
 import re
-import sys
 
-passed = failed = 0
+from tally import check, finish
 
-
-def check(ok, what):
-    global passed, failed
-    if ok:
-        passed += 1
-    else:
-        failed += 1
-        print("FAIL:", what)
 
 
 for md in ["README.md"] + sorted(glob.glob("docs/*.md")):
@@ -53,5 +44,4 @@ for md in ["README.md"] + sorted(glob.glob("docs/*.md")):
             path = os.path.normpath(os.path.join(os.path.dirname(md), target))
             check(os.path.exists(path), f"{md}:{i + 1}: link to {target}, which does not exist")
 
-print(f"docs: {passed} passed, {failed} failed")
-sys.exit(1 if failed else 0)
+finish("docs")

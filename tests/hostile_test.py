@@ -14,11 +14,12 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 import tempfile
 
 import h5py
 import numpy as np
+
+from tally import check, finish
 
 parser = argparse.ArgumentParser()
 parser.add_argument("exe")
@@ -32,16 +33,6 @@ base = os.path.join(work, "base.h5")
 env = dict(os.environ)
 env["ASAN_OPTIONS"] = env.get("ASAN_OPTIONS", "") + ":halt_on_error=1:detect_leaks=1"
 env["UBSAN_OPTIONS"] = "halt_on_error=1:print_stacktrace=1"
-passed = failed = 0
-
-
-def check(ok, what):
-    global passed, failed
-    if ok:
-        passed += 1
-    else:
-        failed += 1
-        print("FAIL:", what, flush=True)
 
 
 def run(cmd, what):
@@ -218,5 +209,4 @@ for n, kind in enumerate(plan):
 shutil.rmtree(work, ignore_errors=True)
 print(f"hostile files: {len(plan)} files ({len(attributes)} attributes each tampered with), "
       f"{flips_reported} data flips, all reported")
-print(f"hostile files: {passed} passed, {failed} failed")
-sys.exit(1 if failed else 0)
+finish("hostile files")

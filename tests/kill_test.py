@@ -12,9 +12,10 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
+
+from tally import check, finish
 
 parser = argparse.ArgumentParser()
 parser.add_argument("exe")
@@ -36,16 +37,6 @@ env = dict(os.environ)
 env.pop("MALLOC_PERTURB_", None)  # mpirun's PMIx server crashes on it (see cli_test.sh)
 env.setdefault("ASAN_OPTIONS", "")
 env["ASAN_OPTIONS"] += ":detect_leaks=0"  # a killed process leaks by definition
-passed = failed = 0
-
-
-def check(ok, what):
-    global passed, failed
-    if ok:
-        passed += 1
-    else:
-        failed += 1
-        print("FAIL:", what, flush=True)
 
 
 def holds_a_complete_checkpoint(what):
@@ -121,5 +112,4 @@ for n in range(args.kills):
 
 shutil.rmtree(work, ignore_errors=True)
 print("kills:", ", ".join(f"{k} {v}" for k, v in sorted(kills.items())))
-print(f"kill test: {passed} passed, {failed} failed")
-sys.exit(1 if failed else 0)
+finish("kill test")
