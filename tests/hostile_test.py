@@ -38,7 +38,8 @@ env["UBSAN_OPTIONS"] = "halt_on_error=1:print_stacktrace=1"
 def run(cmd, what):
     """Runs a command on a hostile file: it must end by itself, with 0, 1 or 2, sanitizers quiet."""
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+        # A tampered name may not be UTF-8, and the tool quotes it in its messages.
+        p = subprocess.run(cmd, capture_output=True, text=True, errors="replace", env=env, timeout=60)
     except subprocess.TimeoutExpired:
         check(False, f"{what}: hangs")
         return None
