@@ -76,6 +76,18 @@ std::vector<float> read_out(const CheckpointReader& r, ReadOptions options = {})
 }
 
 
+// The python lines, inside `with h5py.File(...) as f:`, that give `f` the metadata of a format
+// version 1 checkpoint (before checksums existed).
+constexpr const char* version1_metadata = R"(
+    m = f.create_group("_shardckpt")
+    m.create_group("common")
+    m.attrs["format"] = np.bytes_("shardckpt")
+    m.attrs["format_version"] = np.int64(1)
+    m.attrs["kind"] = np.bytes_("global")
+    m.attrs["params"] = np.bytes_("[]")
+    m.attrs["complete"] = np.int64(1)
+)";
+
 bool contains(std::string_view text, std::string_view part) { return text.find(part) != std::string_view::npos; }
 
 // Byte address of the first element of a contiguous dataset, through h5py.
@@ -544,18 +556,11 @@ TEST(Format, CheckpointsWithoutChecksumsStillLoad) {
   ScratchDir dir;
   // A version 1 checkpoint, as shardckpt wrote them before checksums existed (and as docs/format.md
   // shows for adopting a file written by another tool).
-  ASSERT_EQ(run_python(R"(
+  ASSERT_EQ(run_python(std::string(R"(
 import h5py, numpy as np, sys
 with h5py.File(sys.argv[1], "w") as f:
     f["w.out"] = (np.arange(40, dtype=np.float32) * 3).reshape(5, 4, 2)
-    m = f.create_group("_shardckpt")
-    m.create_group("common")
-    m.attrs["format"] = np.bytes_("shardckpt")
-    m.attrs["format_version"] = np.int64(1)
-    m.attrs["kind"] = np.bytes_("global")
-    m.attrs["params"] = np.bytes_("[]")
-    m.attrs["complete"] = np.int64(1)
-)",
+)") + version1_metadata,
                        (dir / "v1.h5").string()),
             0);
   const CheckpointReader r(dir / "v1.h5");
@@ -574,19 +579,12 @@ TEST(Format, ManyChunksAreReadInLinearTime) {
   ScratchDir dir;
   // 20,000 chunks of one row each: looking up every chunk's address made this quadratic (11 s for
   // 32,768 to inspect, minutes to load); such a dataset is read through HDF5.
-  ASSERT_EQ(run_python(R"(
+  ASSERT_EQ(run_python(std::string(R"(
 import h5py, numpy as np, sys
 with h5py.File(sys.argv[1], "w") as f:
     d = f.create_dataset("w", shape=(20000, 4), dtype=np.float32, chunks=(1, 4))
     d[...] = np.arange(80000, dtype=np.float32).reshape(20000, 4)
-    m = f.create_group("_shardckpt")
-    m.create_group("common")
-    m.attrs["format"] = np.bytes_("shardckpt")
-    m.attrs["format_version"] = np.int64(1)
-    m.attrs["kind"] = np.bytes_("global")
-    m.attrs["params"] = np.bytes_("[]")
-    m.attrs["complete"] = np.int64(1)
-)",
+)") + version1_metadata,
                        (dir / "chunks.h5").string()),
             0);
   const CheckpointReader r(dir / "chunks.h5");
