@@ -10,8 +10,6 @@
 namespace bench {
 namespace {
 
-std::int64_t saved_bytes(const demo::ModelConfig& c) { return demo::model_bytes(c); }
-
 std::string number_text(double v) {
   char b[64];
   if (v == static_cast<double>(static_cast<std::int64_t>(v)) && std::abs(v) >= 1000)
@@ -27,7 +25,7 @@ demo::ModelConfig bench_config(demo::ModelConfig c, std::int64_t target) {
   auto with_layers = [&](int layers) {
     c.gdp_layers = layers - layers / 4;
     c.mamba_layers = layers / 4;
-    return saved_bytes(c);
+    return demo::model_bytes(c);
   };
   // Where even two layers are too many, the hidden size shrinks instead.
   while (c.cols > 256 && with_layers(2) > target) c.cols /= 2;
@@ -91,7 +89,7 @@ Run::Run(const Options& options, fs::path directory)
                demo::layout_text(sl())));
   models = build_models(config, sl());
   for (const auto& m : models) plans.push_back(prepare_save(m.state));
-  bytes = saved_bytes(config);
+  bytes = demo::model_bytes(config);
 }
 
 void Run::progress(const std::string& what) const {

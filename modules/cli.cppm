@@ -6,6 +6,7 @@ module;
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -117,7 +118,7 @@ void run_job(bool mpi, int ranks, const std::function<void(ProcessGroup&)>& fn);
 // True on the process that reports (rank 0 of an MPI job, or this process).
 bool is_root(bool mpi);
 // With `mpi`, each process counted only its own ranks: the sums over the job replace the values.
-void sum_over_job(bool mpi, std::span<std::int64_t> values);
+void sum_over_job(bool mpi, std::initializer_list<std::int64_t*> values);
 
 double seconds_since(std::chrono::steady_clock::time_point t0);
 std::string mib_text(std::int64_t bytes);

@@ -89,11 +89,7 @@ Saved save_model(const DemoFlags& f, const demo::ModelConfig& config, const demo
     out.pad_rows += rank.pad_rows;
     out.staging_bytes += static_cast<std::int64_t>(saver.staging_bytes());
   });
-  std::int64_t totals[3] = {out.shard_bytes, out.pad_rows, out.staging_bytes};
-  sum_over_job(f.save.mpi, totals);
-  out.shard_bytes = totals[0];
-  out.pad_rows = totals[1];
-  out.staging_bytes = totals[2];
+  sum_over_job(f.save.mpi, {&out.shard_bytes, &out.pad_rows, &out.staging_bytes});
   return out;
 }
 
@@ -132,11 +128,7 @@ Checked load_and_check(const DemoFlags& f, const demo::ModelConfig& config, cons
     if (v.mismatches && !out.mismatches) out.first_mismatch = v.first_mismatch;
     out.mismatches += v.mismatches;
   });
-  std::int64_t totals[3] = {out.values, out.pad_rows, out.mismatches};
-  sum_over_job(f.save.mpi, totals);
-  out.values = totals[0];
-  out.pad_rows = totals[1];
-  out.mismatches = totals[2];
+  sum_over_job(f.save.mpi, {&out.values, &out.pad_rows, &out.mismatches});
   return out;
 }
 

@@ -80,9 +80,7 @@ Outcome run(const LoadFlags& f, const demo::Layout& layout, const CheckpointRead
     if (v.mismatches && !out.mismatches) out.first_mismatch = v.first_mismatch;
     out.mismatches += v.mismatches;
   });
-  std::int64_t totals[4] = {out.bytes, out.values, out.pad_rows, out.mismatches};
-  sum_over_job(f.layout.mpi, totals);
-  out.bytes = totals[0], out.values = totals[1], out.pad_rows = totals[2], out.mismatches = totals[3];
+  sum_over_job(f.layout.mpi, {&out.bytes, &out.values, &out.pad_rows, &out.mismatches});
   return out;
 }
 

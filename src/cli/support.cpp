@@ -16,6 +16,7 @@ module;
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 module shardckpt.cli;
 #ifdef SHARDCKPT_HAVE_MPI
 import shardckpt.dist.mpi;
@@ -177,10 +178,15 @@ bool is_root(bool mpi) {
   return true;
 }
 
-void sum_over_job(bool mpi, std::span<std::int64_t> values) {
+void sum_over_job(bool mpi, std::initializer_list<std::int64_t*> values) {
 #ifdef SHARDCKPT_HAVE_MPI
-  if (mpi)
-    MPI_Allreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+  if (mpi) {
+    std::vector<std::int64_t> sums;
+    for (const std::int64_t* v : values) sums.push_back(*v);
+    MPI_Allreduce(MPI_IN_PLACE, sums.data(), static_cast<int>(sums.size()), MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+    auto sum = sums.begin();
+    for (std::int64_t* v : values) *v = *sum++;
+  }
 #endif
   (void)mpi;
   (void)values;
