@@ -8,6 +8,7 @@ module;
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <string_view>
 export module shardckpt.io;
@@ -61,6 +62,37 @@ class File {
   File(int fd, std::filesystem::path path) : fd_(fd), path_(std::move(path)) {}
   int fd_ = -1;
   std::filesystem::path path_;
+};
+
+// Whether bulk reads may bypass the page cache.
+enum class PageCache { bypass, use };
+
+// Bulk reads of an open File that bypass the page cache (O_DIRECT) where the file system allows
+// it. Ranks that read scattered slabs of one file through the page cache can get a fraction of the
+// bandwidth of one sequential reader (docs/performance.md); direct reads of the same slabs do not.
+// Bytes land straight in the destination where its address and the file offset are both aligned
+// to 4096, else they pass through aligned bounce buffers of 1 MiB (reused, one per concurrent
+// caller). Where O_DIRECT is refused (tmpfs, some FUSE file systems), the path now names another
+// file, or a direct read fails with EINVAL, reads go through the File's own descriptor instead:
+// the same bytes and the same errors as File::pread_all.
+class BulkReader {
+ public:
+  BulkReader(const File& file [[clang::lifetimebound]], PageCache cache);
+  BulkReader(const BulkReader&) = delete;
+  BulkReader& operator=(const BulkReader&) = delete;
+  ~BulkReader();
+
+  // Whether reads bypass the page cache (false once a direct read was refused).
+  bool bypasses() const noexcept;
+  // All `n` bytes at `offset`, like File::pread_all.
+  void read(void* dst, std::size_t n, std::uint64_t offset) const;
+  // `count` runs of `run` bytes that follow each other in the file from `offset`, to dst,
+  // dst + stride, dst + 2 * stride, ... (rows of a wider tensor).
+  void read_runs(std::byte* dst, std::size_t run, std::size_t stride, std::size_t count, std::uint64_t offset) const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
 };
 
 // Bytes read and written through every File of this process so far (all threads, HDF5's own

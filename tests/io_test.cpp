@@ -1,0 +1,197 @@
+// Tests for shardckpt.io's bulk reads: every range, alignment and row pattern reads the file's
+// bytes whether it bypasses the page cache or not; the end of the file is the same error either
+// way; a bypassing reader leaves the page cache empty; a replaced path is never read.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "test_support.hpp"
+#include "test_model.hpp"
+import shardckpt;
+import shardckpt.io;
+
+using namespace shardckpt;
+using testing_support::error_of;
+using testing_support::ScratchDir;
+
+namespace {
+
+// Bytes no two offsets of which are likely equal, so that a read from the wrong place shows.
+std::vector<std::byte> pattern(std::size_t n) {
+  std::vector<std::byte> out(n);
+  std::uint64_t x = 0x9e3779b97f4a7c15;
+  for (auto& b : out) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    b = static_cast<std::byte>(x);
+  }
+  return out;
+}
+
+std::filesystem::path write_file(const std::filesystem::path& p, const std::vector<std::byte>& bytes) {
+  std::ofstream(p, std::ios::binary)
+      .write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  return p;
+}
+
+// Whether this file system takes O_DIRECT opens at all (tmpfs did not before Linux 6.6).
+bool direct_io_possible(const std::filesystem::path& p) {
+  const int fd = ::open(p.c_str(), O_RDONLY | O_DIRECT);
+  if (fd < 0) return false;
+  ::close(fd);
+  return true;
+}
+
+// Memory aligned to a page, `shift` bytes in: to put a destination at any alignment.
+struct Destination {
+  explicit Destination(std::size_t n, std::size_t shift)
+      : base(static_cast<std::byte*>(std::aligned_alloc(4096, (n + shift + 4095) / 4096 * 4096 + 4096))),
+        at(base + shift) {}
+  Destination(const Destination&) = delete;
+  Destination& operator=(const Destination&) = delete;
+  ~Destination() { std::free(base); }
+  std::byte* base;
+  std::byte* at;
+};
+
+constexpr io::PageCache both[] = {io::PageCache::bypass, io::PageCache::use};
+const char* name(io::PageCache c) { return c == io::PageCache::bypass ? "bypass" : "use"; }
+
+constexpr std::size_t mib = std::size_t{1} << 20;
+const std::size_t file_size = 3 * mib + 12345;  // not a multiple of 4096: the end is unaligned
+
+}  // namespace
+
+TEST(BulkReader, ReadsEveryRangeAtEveryAlignment) {
+  ScratchDir dir;
+  const std::vector<std::byte> bytes = pattern(file_size);
+  const io::File file = io::File::open_read(write_file(dir / "f", bytes));
+  struct Case {
+    std::uint64_t offset;
+    std::size_t n, shift;
+  };
+  const Case cases[] = {
+      {0, 4096, 0},                                   // aligned on both sides: straight in
+      {8192, 2 * mib + 4096, 0},                      // more than one bounce buffer's worth, straight in
+      {7, 100, 0},                                    // inside one block
+      {4095, 2, 3},                                   // across a block boundary
+      {4096 + 7, 3 * 4096, 7},                        // offset and memory congruent: head, middle, tail
+      {4096 + 7, 3 * 4096, 0},                        // not congruent: all through the bounce buffer
+      {100, 2 * mib + 12345, 100},                    // congruent, several bounce buffers for nothing
+      {123, 2 * mib + 999, 5},                        // not congruent, across several bounce buffers
+      {file_size - 5000, 5000, 0},                    // up to the unaligned end of the file
+      {file_size - 4096 - 17, 4096 + 17, 4096 - 17},  // the same, congruent
+      {0, file_size, 0},                              // everything
+  };
+  for (io::PageCache cache : both) {
+    const io::BulkReader reader(file, cache);
+    for (const Case& c : cases) {
+      SCOPED_TRACE(testing::Message() << name(cache) << " offset " << c.offset << " n " << c.n << " shift " << c.shift);
+      Destination d(c.n, c.shift);
+      reader.read(d.at, c.n, c.offset);
+      EXPECT_EQ(0, std::memcmp(d.at, bytes.data() + c.offset, c.n));
+    }
+  }
+}
+
+TEST(BulkReader, ScattersRowsThatFollowEachOtherInTheFile) {
+  ScratchDir dir;
+  const std::vector<std::byte> bytes = pattern(file_size);
+  const io::File file = io::File::open_read(write_file(dir / "f", bytes));
+  struct Case {
+    std::uint64_t offset;
+    std::size_t run, stride, count;
+  };
+  const Case cases[] = {
+      {0, 4096, 8192, 300},                   // a column band of rows: aligned rows
+      {13, 100, 300, 25000},                  // small unaligned rows across several bounce buffers
+      {5, 700 * 1024, 800 * 1024, 3},         // rows larger than half a bounce buffer: one by one
+      {file_size - 10 * 333, 333, 1000, 10},  // rows up to the end of the file
+  };
+  for (io::PageCache cache : both) {
+    const io::BulkReader reader(file, cache);
+    for (const Case& c : cases) {
+      SCOPED_TRACE(testing::Message() << name(cache) << " offset " << c.offset << " run " << c.run);
+      std::vector<std::byte> out(c.stride * c.count, std::byte{0x5a});
+      reader.read_runs(out.data(), c.run, c.stride, c.count, c.offset);
+      for (std::size_t r = 0; r < c.count; ++r) {
+        ASSERT_EQ(0, std::memcmp(out.data() + r * c.stride, bytes.data() + c.offset + r * c.run, c.run)) << "row " << r;
+        // The gap between rows is not touched.
+        for (std::size_t i = c.run; i < c.stride; ++i) ASSERT_EQ(out[r * c.stride + i], std::byte{0x5a}) << "row " << r;
+      }
+    }
+  }
+}
+
+TEST(BulkReader, ReadingPastTheEndIsTheTruncationErrorEitherWay) {
+  ScratchDir dir;
+  const std::vector<std::byte> bytes = pattern(file_size);
+  const io::File file = io::File::open_read(write_file(dir / "f", bytes));
+  for (io::PageCache cache : both) {
+    SCOPED_TRACE(name(cache));
+    const io::BulkReader reader(file, cache);
+    std::vector<std::byte> out(3 * mib);
+    for (const auto& [offset, n] : {std::pair<std::uint64_t, std::size_t>{file_size - 100, 101},
+                                    {file_size - 2 * mib, 2 * mib + 4096},
+                                    {file_size + 4096, 1}}) {
+      const Error e = error_of([&] { reader.read(out.data(), n, offset); });
+      EXPECT_EQ(e.code(), Errc::not_a_checkpoint);
+      EXPECT_NE(std::string(e.what()).find("truncated"), std::string::npos) << e.what();
+    }
+    const Error e = error_of([&] { reader.read_runs(out.data(), 1000, 2000, 20, file_size - 19 * 1000); });
+    EXPECT_EQ(e.code(), Errc::not_a_checkpoint);
+    EXPECT_NE(std::string(e.what()).find("truncated"), std::string::npos) << e.what();
+  }
+}
+
+TEST(BulkReader, ABypassingReaderLeavesThePageCacheEmpty) {
+  ScratchDir dir;
+  const std::vector<std::byte> bytes = pattern(file_size);
+  const std::filesystem::path p = write_file(dir / "f", bytes);
+  if (!direct_io_possible(p)) GTEST_SKIP() << "this file system refuses O_DIRECT";
+  const io::File file = io::File::open_read(p);
+  // Pages of the file in the page cache, once it was dropped from it and read by `cache`.
+  const auto cached_after_read = [&](io::PageCache cache) {
+    ::fdatasync(file.descriptor());
+    EXPECT_EQ(0, ::posix_fadvise(file.descriptor(), 0, 0, POSIX_FADV_DONTNEED));
+    const io::BulkReader reader(file, cache);
+    EXPECT_EQ(reader.bypasses(), cache == io::PageCache::bypass);
+    std::vector<std::byte> out(file_size);
+    reader.read(out.data(), file_size, 0);
+    EXPECT_EQ(out, bytes);
+    void* map = ::mmap(nullptr, file_size, PROT_READ, MAP_SHARED, file.descriptor(), 0);
+    EXPECT_NE(map, MAP_FAILED);
+    std::vector<unsigned char> resident((file_size + 4095) / 4096);
+    EXPECT_EQ(0, ::mincore(map, file_size, resident.data()));
+    ::munmap(map, file_size);
+    std::size_t pages = 0;
+    for (unsigned char r : resident) pages += r & 1;
+    return pages;
+  };
+  EXPECT_EQ(cached_after_read(io::PageCache::bypass), 0u);
+  // The control: the same read through the page cache leaves the pages there.
+  EXPECT_EQ(cached_after_read(io::PageCache::use), (file_size + 4095) / 4096);
+}
+
+TEST(BulkReader, AReplacedPathIsNeverReadAroundTheCache) {
+  ScratchDir dir;
+  const std::vector<std::byte> first = pattern(file_size), second(file_size, std::byte{7});
+  const io::File file = io::File::open_read(write_file(dir / "f", first));
+  write_file(dir / "g", second);
+  std::filesystem::rename(dir / "g", dir / "f");
+  const io::BulkReader reader(file, io::PageCache::bypass);
+  EXPECT_FALSE(reader.bypasses());
+  std::vector<std::byte> out(file_size);
+  reader.read(out.data(), file_size, 0);
+  EXPECT_EQ(out, first);
+}
