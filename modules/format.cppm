@@ -193,6 +193,9 @@ struct ReadOptions {
   // Check every byte read against its checksum (Errc::corrupt on a mismatch).
   bool verify = true;
   BytesDone progress = {};
+  // Read tensor data around the page cache (O_DIRECT) where the file system allows it; see
+  // io::BulkReader. Metadata and checksums always go through the page cache.
+  bool bypass_page_cache = true;
 };
 
 struct OpenOptions {

@@ -200,36 +200,33 @@ std::vector<Extent> extents_of(hid_t set, hid_t type, const std::vector<std::int
 }
 
 // Moves `box` (a box of one dataset) between the file and memory, where memory row i of the box
-// starts at mem + i * mem_stride bytes: one transfer per extent where rows are contiguous on both
-// sides, else one per row.
-template <class Mem>
-void transfer(io::File& file, bool write, std::span<const Extent> extents, std::int64_t es, const Box& box, Mem* mem,
-              std::int64_t mem_stride) {
+// starts at mem + i * mem_stride bytes. For each extent the box meets, `move(p, run, rows, at,
+// file_stride)` moves `rows` rows of `run` bytes: file row i at at + i * file_stride, memory row i
+// at p + i * mem_stride.
+template <class Mem, class Move>
+void transfer(const fs::path& file, std::span<const Extent> extents, std::int64_t es, const Box& box, Mem* mem,
+              std::int64_t mem_stride, Move&& move) {
   std::int64_t moved = 0;
   for (const Extent& e : extents) {
     const Box hit = box.intersect(e.box);
     if (hit.empty()) continue;
     moved += box_elements(hit);
     const std::int64_t file_stride = e.box.cols.size() * es, run = hit.cols.size() * es;
-    std::uint64_t at =
-        e.address + static_cast<std::uint64_t>(
-                        ((hit.rows.begin - e.box.rows.begin) * e.box.cols.size() + hit.cols.begin - e.box.cols.begin) * es);
-    Mem* p = mem + (hit.rows.begin - box.rows.begin) * mem_stride + (hit.cols.begin - box.cols.begin) * es;
-    if (run == file_stride && run == mem_stride) {
-      const auto n = static_cast<std::size_t>(run * hit.rows.size());
-      write ? file.pwrite_all(p, n, at) : file.pread_all(const_cast<std::byte*>(p), n, at);
-      continue;
-    }
-    for (std::int64_t r = 0; r < hit.rows.size(); ++r, p += mem_stride, at += static_cast<std::uint64_t>(file_stride))
-      write ? file.pwrite_all(p, static_cast<std::size_t>(run), at)
-            : file.pread_all(const_cast<std::byte*>(p), static_cast<std::size_t>(run), at);
+    const std::uint64_t at =
+        e.address +
+        static_cast<std::uint64_t>(
+            ((hit.rows.begin - e.box.rows.begin) * e.box.cols.size() + hit.cols.begin - e.box.cols.begin) * es);
+    move(mem + (hit.rows.begin - box.rows.begin) * mem_stride + (hit.cols.begin - box.cols.begin) * es,
+         static_cast<std::size_t>(run), static_cast<std::size_t>(hit.rows.size()), at, file_stride);
   }
-  require(moved == box_elements(box), Errc::not_a_checkpoint, file.path().string(),
+  require(moved == box_elements(box), Errc::not_a_checkpoint, file.string(),
           ": the dataset's chunks do not cover the slab being moved");
 }
 
 // Rows per batch for rows of `row_bytes`.
-std::int64_t batch_rows(std::int64_t row_bytes) { return std::max<std::int64_t>(1, batch_bytes / std::max<std::int64_t>(row_bytes, 1)); }
+std::int64_t batch_rows(std::int64_t row_bytes) {
+  return std::max<std::int64_t>(1, batch_bytes / std::max<std::int64_t>(row_bytes, 1));
+}
 
 // Checks a box against a dataset and the caller's tensor.
 void check_box(const DatasetInfo& d, const Box& box, DType dtype, std::size_t bytes, const fs::path& file) {
@@ -562,7 +559,13 @@ void PieceWriter::write(const DatasetInfo& d, const Box& box, TensorView src) {
       for (std::int64_t r = 0; r < batch.rows.size(); ++r)
         m.hashes.push_back(row_hash(p + r * row_bytes, static_cast<std::size_t>(row_bytes)));
     if (m.method == IoMethod::direct)
-      transfer(m.file, true, d.extents, es, batch, p, row_bytes);
+      transfer(m.file.path(), d.extents, es, batch, p, row_bytes,
+               [&](const std::byte* q, std::size_t run, std::size_t rows, std::uint64_t at, std::int64_t file_stride) {
+                 if (static_cast<std::int64_t>(run) == file_stride && file_stride == row_bytes)
+                   return m.file.pwrite_all(q, run * rows, at);
+                 for (std::size_t r = 0; r < rows; ++r)
+                   m.file.pwrite_all(q + r * row_bytes, run, at + r * static_cast<std::uint64_t>(file_stride));
+               });
     else
       hdf5::write_box(m.dataset(d.key, w), d.dtype, d.shape, batch, p, w);
     if (m.progress) m.progress(batch.rows.size() * row_bytes);
@@ -633,6 +636,8 @@ struct CheckpointReader::Impl {
 
   fs::path path;
   io::File file;
+  // Bulk reads of `file`: bypassing the page cache where the file system allows it, and not.
+  std::optional<io::BulkReader> uncached, cached;
   std::unique_ptr<hdf5::Channel> channel;
   Hid h5;
   Hid access;     // how datasets open: external files are found next to the checkpoint
@@ -661,7 +666,7 @@ struct CheckpointReader::Impl {
   const std::vector<Slab>& slabs_for(Entry& e);
   void read_units(std::int64_t first, std::int64_t n, std::uint64_t* out) const;
   void raw_read(const DatasetInfo& d, Entry& e, const Box& box, std::byte* mem, std::int64_t mem_row_elems,
-                std::int64_t mem_col, IoMethod method);
+                std::int64_t mem_col, const ReadOptions& options);
   void read_metadata();
 };
 
@@ -740,8 +745,11 @@ CheckpointReader::CheckpointReader(const fs::path& path, OpenOptions options) : 
   m.file = io::File::open_read(path);
   // Before HDF5 reads a byte: damaged metadata of a sealed file never reaches HDF5's parser.
   m.seal = check_seal(m.file, options.trusted_seal);
-  if (options.require_seal && !m.seal) m.refuse("it has no seal, so its metadata cannot be checked before HDF5 reads it");
+  if (options.require_seal && !m.seal)
+    m.refuse("it has no seal, so its metadata cannot be checked before HDF5 reads it");
   m.file_size = m.file.size();
+  m.uncached.emplace(m.file, io::PageCache::bypass);
+  m.cached.emplace(m.file, io::PageCache::use);
   m.channel = std::make_unique<hdf5::Channel>(m.file);
   try {
     m.h5 = hdf5::open_file(*m.channel, false, Errc::not_a_checkpoint);
@@ -906,16 +914,28 @@ void CheckpointReader::Impl::read_units(std::int64_t first, std::int64_t n, std:
 }
 
 void CheckpointReader::Impl::raw_read(const DatasetInfo& d, Entry& e, const Box& box, std::byte* mem,
-                                      std::int64_t mem_row_elems, std::int64_t mem_col, IoMethod method) {
+                                      std::int64_t mem_row_elems, std::int64_t mem_col, const ReadOptions& options) {
   const std::int64_t es = element_size(d.dtype);
-  if (method == IoMethod::direct) {
+  if (options.method == IoMethod::direct) {
+    const io::BulkReader& bulk = options.bypass_page_cache ? *uncached : *cached;
     const std::vector<Extent>* extents = nullptr;
     {
       const std::lock_guard lock(mutex);
       extents = &extents_for(e);
     }
     if (!extents->empty()) {
-      transfer(file, false, *extents, es, box, mem + mem_col * es, mem_row_elems * es);
+      const std::int64_t stride = mem_row_elems * es;
+      transfer(path, *extents, es, box, mem + mem_col * es, stride,
+               [&](std::byte* q, std::size_t run, std::size_t rows, std::uint64_t at, std::int64_t file_stride) {
+                 const auto s = static_cast<std::size_t>(stride);
+                 if (static_cast<std::int64_t>(run) != file_stride)  // part of each file row: few bytes, scattered
+                   for (std::size_t r = 0; r < rows; ++r)
+                     file.pread_all(q + r * s, run, at + r * static_cast<std::uint64_t>(file_stride));
+                 else if (run == s)
+                   bulk.read(q, run * rows, at);
+                 else
+                   bulk.read_runs(q, run, s, rows, at);
+               });
       return;
     }
   }
@@ -1020,7 +1040,7 @@ void CheckpointReader::read(const DatasetInfo& d, const Box& box, MutTensorView 
     if (options.verify && m.checksummed) slabs = &m.slabs_for(*e);
   }
   if (!slabs) {
-    m.raw_read(d, *e, box, out, width, 0, options.method);
+    m.raw_read(d, *e, box, out, width, 0, options);
     if (options.progress) options.progress(box_elements(box) * es);
     return;
   }
@@ -1050,14 +1070,14 @@ void CheckpointReader::read(const DatasetInfo& d, const Box& box, MutTensorView 
       m.read_units(s.first_unit + (r0 - s.box.rows.begin), n, want.data());
       std::byte* rows = out + (r0 - box.rows.begin) * width * es;
       if (whole_units) {
-        m.raw_read(d, *e, {{r0, r1}, s.box.cols}, rows, width, s.box.cols.begin - box.cols.begin, options.method);
+        m.raw_read(d, *e, {{r0, r1}, s.box.cols}, rows, width, s.box.cols.begin - box.cols.begin, options);
         for (std::int64_t r = 0; r < n; ++r)
           if (row_hash(rows + (r * width + s.box.cols.begin - box.cols.begin) * es,
                        static_cast<std::size_t>(unit_bytes)) != want[static_cast<std::size_t>(r)])
             mismatch({{r0 + r, r0 + r + 1}, s.box.cols});
       } else {
         scratch.resize(static_cast<std::size_t>(n * unit_bytes));
-        m.raw_read(d, *e, {{r0, r1}, s.box.cols}, scratch.data(), s.box.cols.size(), 0, options.method);
+        m.raw_read(d, *e, {{r0, r1}, s.box.cols}, scratch.data(), s.box.cols.size(), 0, options);
         for (std::int64_t r = 0; r < n; ++r) {
           const std::byte* unit = scratch.data() + r * unit_bytes;
           if (row_hash(unit, static_cast<std::size_t>(unit_bytes)) != want[static_cast<std::size_t>(r)])

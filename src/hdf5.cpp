@@ -308,6 +308,9 @@ Hid create_file(Channel& channel) {
   quiet();
   const Where w{channel.file().path(), "", "create the file"};
   Hid fapl = file_access(channel, w);
+  // Objects of 64 KiB or more (tensor data) start at multiples of 4096 bytes: rows of such
+  // multiples then lie aligned for reads that bypass the page cache (io::BulkReader).
+  check(H5Pset_alignment(fapl.get(), hsize_t{64} << 10, 4096), w);
   return owned(H5Fcreate(channel.file().path().c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl.get()), H5Fclose, w);
 }
 

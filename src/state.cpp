@@ -117,7 +117,9 @@ class Arena {
 class Source {
  public:
   Source(const CheckpointReader& reader, bool local, const LoadOptions& options)
-      : reader_(reader), local_(local), read_{options.method, options.verify_checksums, options.progress} {
+      : reader_(reader),
+        local_(local),
+        read_{options.method, options.verify_checksums, options.progress, options.bypass_page_cache} {
     if (options.staging) arena_.emplace(*options.staging);
     if (local)
       for (const DatasetInfo& d : reader.datasets())

@@ -6,7 +6,9 @@
 //   FAULTY_IO_FSYNC=EIO|...           fsync fails with this error
 //   FAULTY_IO_SHORT=1                 every write moves at most half of what it is asked (at least
 //                                     one byte): a correct writer still finishes
-// Both pwrite and pwrite64 are wrapped: without this, the headers would alias one to the other.
+//   FAULTY_IO_DIRECT=EINVAL|EIO       reads through O_DIRECT descriptors fail with this error (EINVAL
+//                                     is how a file system refuses direct reads it cannot align)
+// Both pwrite and pwrite64 (pread and pread64) are wrapped: without this, the headers would alias one to the other.
 #undef _FILE_OFFSET_BITS
 #include <dlfcn.h>
 #include <fcntl.h>
@@ -28,6 +30,7 @@ int configured_errno(const char* variable) {
   if (std::strcmp(e, "EIO") == 0) return EIO;
   if (std::strcmp(e, "ENOSPC") == 0) return ENOSPC;
   if (std::strcmp(e, "EFBIG") == 0) return EFBIG;
+  if (std::strcmp(e, "EINVAL") == 0) return EINVAL;
   return EIO;
 }
 
@@ -86,6 +89,17 @@ ssize_t write(int fd, const void* buf, size_t n) {
   }
   return real(fd, buf, shortened(fd, n));
 }
+
+ssize_t pread64(int fd, void* buf, size_t n, off64_t offset) {
+  static auto real = next<ssize_t (*)(int, void*, size_t, off64_t)>("pread64");
+  if (const int err = configured_errno("FAULTY_IO_DIRECT"); err && (::fcntl(fd, F_GETFL) & O_DIRECT) && chosen(fd)) {
+    errno = err;
+    return -1;
+  }
+  return real(fd, buf, n, offset);
+}
+
+ssize_t pread(int fd, void* buf, size_t n, off_t offset) { return pread64(fd, buf, n, offset); }
 
 int fsync(int fd) {
   static auto real = next<int (*)(int)>("fsync");

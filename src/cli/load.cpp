@@ -29,6 +29,7 @@ struct LoadFlags {
   std::string method = "direct";
   bool verify = false;
   bool no_checksums = false;
+  bool page_cache = false;
   bool distributed = false;
 };
 
@@ -66,7 +67,8 @@ Outcome run(const LoadFlags& f, const demo::Layout& layout, const CheckpointRead
                      .verify_checksums = !f.no_checksums,
                      .expect_id = reader.contents().id,
                      .progress = progress.callback(),
-                     .staging = device.staging()},
+                     .staging = device.staging(),
+                     .bypass_page_cache = !f.page_cache},
                     replicas.get());
     group.barrier();
     const demo::Verification v =
@@ -98,6 +100,9 @@ Runner add_load(CLI::App& app, Global& global) {
   cmd->add_flag("--verify", f->verify,
                 "also check that pad rows are zero and, for a demo checkpoint, every value against the pattern");
   cmd->add_flag("--no-checksums", f->no_checksums, "do not check the bytes read against their checksums");
+  cmd->add_flag("--page-cache", f->page_cache,
+                "read tensor data through the page cache (default: around it, with O_DIRECT, where the file "
+                "system allows)");
   add_method(*cmd, f->method);
   add_json(*cmd, global);
   return [f, &global] {
