@@ -27,6 +27,9 @@ struct EngineStats {
   std::uint64_t copies_to_host = 0, bytes_to_host = 0;
   std::uint64_t copies_to_device = 0, bytes_to_device = 0;
   std::uint64_t zero_fills = 0;
+  // Copies and zero fills issued that no wait has seen finish yet: 0 after any call of the library
+  // that promises its device work has landed.
+  std::uint64_t unfinished = 0;
 };
 
 class CopyEngine {
@@ -66,7 +69,10 @@ SharedBuffer allocate_locked(std::size_t bytes);
 // zeroes it, so that any host access to device memory outside the engine crashes the process.
 class EmulatedDevice final : public CopyEngine {
  public:
-  explicit EmulatedDevice(int id = 0);
+  // When its stream runs the work enqueued: eagerly, or only once a fence after it is waited for
+  // (like a device that is slow to start), so that a caller that forgets to wait sees it undone.
+  enum class Progress { eager, when_waited };
+  explicit EmulatedDevice(int id = 0, Progress progress = Progress::eager);
   EmulatedDevice(const EmulatedDevice&) = delete;
   EmulatedDevice& operator=(const EmulatedDevice&) = delete;
   ~EmulatedDevice() override;

@@ -67,10 +67,11 @@ SharedBuffer allocate_locked(std::size_t bytes) {
 // The emulated stream: one thread runs the copies in order; fences count the work enqueued.
 struct EmulatedDevice::Impl {
   int id = 0;
+  Progress progress = Progress::eager;
   std::mutex mutex;
   std::condition_variable changed;
   std::deque<std::function<void()>> queue;
-  Fence enqueued = 0, done = 0;
+  Fence enqueued = 0, done = 0, released = 0;  // released: the latest fence waited for
   bool stopping = false;
   std::optional<Error> failure;
   std::thread worker;
@@ -81,7 +82,9 @@ struct EmulatedDevice::Impl {
   void run() {
     std::unique_lock lock(mutex);
     for (;;) {
-      changed.wait(lock, [&] { return stopping || !queue.empty(); });
+      changed.wait(lock, [&] {
+        return stopping || (!queue.empty() && (progress == Progress::eager || done < released));
+      });
       if (queue.empty()) return;
       std::function<void()> task = std::move(queue.front());
       queue.pop_front();
@@ -119,8 +122,9 @@ struct EmulatedDevice::Impl {
   }
 };
 
-EmulatedDevice::EmulatedDevice(int id) : impl_(std::make_unique<Impl>()) {
+EmulatedDevice::EmulatedDevice(int id, Progress progress) : impl_(std::make_unique<Impl>()) {
   impl_->id = id;
+  impl_->progress = progress;
   impl_->worker = std::thread([this] { impl_->run(); });
 }
 
@@ -190,14 +194,17 @@ Fence EmulatedDevice::fence() {
 
 void EmulatedDevice::wait(Fence fence) {
   std::unique_lock lock(impl_->mutex);
+  impl_->released = std::max(impl_->released, fence);
+  impl_->changed.notify_all();
   impl_->changed.wait(lock, [&] { return impl_->done >= fence; });
   if (impl_->failure) throw std::exchange(impl_->failure, std::nullopt).value();
 }
 
 EngineStats EmulatedDevice::stats() const {
-  const Impl& m = *impl_;
-  return {m.device_allocations, m.device_bytes, m.pinned_allocations, m.pinned_bytes, m.copies_to_host,
-          m.bytes_to_host,      m.copies_to_device, m.bytes_to_device, m.zero_fills};
+  Impl& m = *impl_;
+  const std::lock_guard lock(m.mutex);
+  return {m.device_allocations, m.device_bytes,     m.pinned_allocations, m.pinned_bytes, m.copies_to_host,
+          m.bytes_to_host,      m.copies_to_device, m.bytes_to_device,    m.zero_fills,   m.enqueued - m.done};
 }
 
 // An emulated device of 64 GiB.

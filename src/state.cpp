@@ -96,7 +96,8 @@ class Arena {
   }
 
  private:
-  static std::size_t aligned(std::size_t n) { return (n + 63) / 64 * 64; }
+  // Pieces start at multiples of 4 KiB: reads around the page cache land straight in them.
+  static std::size_t aligned(std::size_t n) { return (n + 4095) / 4096 * 4096; }
   template <class BeforeReuse>
   void retire(int buffer, BeforeReuse&& before_reuse) {
     auto& fence = fences_[static_cast<std::size_t>(buffer)];
@@ -180,9 +181,11 @@ class Source {
     arena_->engine().zero(dst);
   }
 
-  // Every copy to a device has landed.
+  // Every copy to a device and every zero fill has landed (a load may have issued zero fills only).
   void finish() {
-    if (arena_) arena_->drain([](int) {});
+    if (!arena_) return;
+    arena_->drain([](int) {});
+    arena_->engine().wait(arena_->engine().fence());
   }
 
   bool local() const noexcept { return local_; }

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -14,6 +15,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "test_support.hpp"
@@ -133,6 +135,25 @@ TEST(EmulatedDevice, CopiesRoundTripInStreamOrderAndAreCounted) {
   EXPECT_EQ(error_of([&] { other.zero(d.mut_view()); }).code(), Errc::invalid_argument);
 }
 
+// A device that runs its stream only when waited for leaves work undone until a wait asks for it,
+// and then runs exactly the work before the fence waited for.
+TEST(EmulatedDevice, WhenWaitedRunsOnlyWhatAWaitAsksFor) {
+  EmulatedDevice device(0, EmulatedDevice::Progress::when_waited);
+  const SharedBuffer d = device.allocate_device(DType::f32, {2, 3});
+  std::vector<float> in{1, 2, 3, 4, 5, 6}, out(6, -1);
+  device.copy_to_device(TensorView::borrow(in.data(), DType::f32, {2, 3}), d.mut_view());
+  const Fence copied = device.fence();
+  device.copy_to_host(d.view(), MutTensorView::borrow(out.data(), DType::f32, {2, 3}));
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(device.stats().unfinished, 2u);
+  device.wait(copied);
+  EXPECT_EQ(device.stats().unfinished, 1u);
+  EXPECT_EQ(out, std::vector<float>(6, -1));  // the copy back waits for a wait
+  device.wait(device.fence());
+  EXPECT_EQ(device.stats().unfinished, 0u);
+  EXPECT_EQ(out, in);
+}
+
 TEST(StagingPool, BuffersAreAllocatedOnceAndFitWholeRows) {
   EmulatedDevice device;
   const StagingPool pool(device, 4096, 2);
@@ -233,7 +254,8 @@ TEST(LoadInPlace, FillsDeviceShardsThroughThePoolAndAllocatesNothing) {
   const demo::Layout l{1, 3, 16, 1};  // another TP, GTP and alignment, padded shards
   std::atomic<std::int64_t> pad_rows{0}, zero_fills{0};
   run_ranks(l.ranks(), [&](ProcessGroup& g) {
-    EmulatedDevice device;
+    // Its stream runs only what a wait asks for: the load must wait for everything it enqueued.
+    EmulatedDevice device(0, EmulatedDevice::Progress::when_waited);
     const StagingPool pool(device, 4096);
     const StateDict model =
         demo::with_destinations(demo::request(c, l, g.rank(), adam), {MemoryKind::device, &device});
@@ -249,12 +271,46 @@ TEST(LoadInPlace, FillsDeviceShardsThroughThePoolAndAllocatesNothing) {
     EXPECT_EQ(device.stats().device_allocations, engine_before.device_allocations);
     EXPECT_EQ(device.stats().pinned_allocations, engine_before.pinned_allocations);
     zero_fills += static_cast<std::int64_t>(device.stats().zero_fills - engine_before.zero_fills);
+    EXPECT_EQ(device.stats().unfinished, 0u);
     const demo::Verification v = demo::verify(c, adam, g.rank(), model, values, &device);
     EXPECT_EQ(v.mismatches, 0) << v.first_mismatch;
     pad_rows += v.pad_rows;
   });
   EXPECT_GT(pad_rows.load(), 0);
   EXPECT_GT(zero_fills.load(), 0);  // the pad rows were zeroed on the device
+}
+
+// A load returns once all of its device work has landed, the zero fill of a padding-only shard
+// included (the only work such a rank gives its engine): on a device that runs its stream only when
+// waited for, nothing is left undone when load_into returns, and the shard reads back as zeros.
+TEST(LoadInPlace, ReturnsOnceEveryDeviceWriteHasLanded) {
+  ScratchDir dir;
+  const ParamSpec spec{"w", {{"x", 10}}, {4}, TpAxis::rows, 1};
+  StateDict whole;
+  ShardedParam plain{spec, 1, 0, {0, 0}, DType::f32};
+  plain.shard = SharedBuffer::zeros(DType::f32, {10, 4});
+  whole.add(plain);
+  save(whole, dir / "a.h5");
+  // GTP 4 at alignment 8: 8 rows per shard, rank 3 holds none of the 10.
+  ShardedParam last{spec, 4, 8, {0, 3}, DType::f32};
+  ASSERT_TRUE(plan_rank(last.spec, last.gtp, last.align, last.coord).padding_only);
+  for (const auto progress : {EmulatedDevice::Progress::eager, EmulatedDevice::Progress::when_waited}) {
+    EmulatedDevice device(0, progress);
+    const StagingPool pool(device, 4096);
+    const SharedBuffer shard = device.allocate_device(DType::f32, last.shard_shape());
+    StateDict state;
+    ShardedParam p = last;
+    p.shard = shard;
+    state.add(p);
+    (void)load_into(dir / "a.h5", state, {.staging = &pool});
+    EXPECT_EQ(device.stats().unfinished, 0u);
+    EXPECT_EQ(device.stats().zero_fills, 1u);
+    HostBuffer back = HostBuffer::uninitialized(DType::f32, last.shard_shape());
+    std::memset(back.mut_view().data(), 0xff, back.bytes());
+    device.copy_to_host(shard.view(), back.mut_view());
+    device.wait(device.fence());
+    for (float v : back.view().as<float>()) ASSERT_EQ(v, 0.0f);
+  }
 }
 
 TEST(LoadInPlace, DeviceDestinationsWithoutAPoolAreRefused) {
