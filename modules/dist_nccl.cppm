@@ -34,6 +34,8 @@ class NcclGroup final : public ProcessGroup {
   // One ncclBroadcast per member, in place, in one NCCL group: device memory of this group's device.
   void all_gather_rows(MutTensorView rows, std::span<const std::int64_t> counts) override;
   bool moves(MemorySpace space) const override;
+  // No: NCCL collectives on a background thread can deadlock with the trainer's on the same device.
+  bool supports_background() const override;
   std::vector<std::byte> broadcast(std::span<const std::byte> bytes, int root) override;
 
  protected:

@@ -21,11 +21,17 @@ void check(cudaError_t rc, const char* what) {
 
 // Fences are numbered; each is an event recorded on the stream, kept until it is waited for.
 struct CudaEngine::Impl {
+  struct Recorded {
+    Fence fence;
+    cudaEvent_t event;
+    std::uint64_t issued;  // operations issued before it
+  };
   int device = 0;
   cudaStream_t stream = nullptr;
   std::mutex mutex;
-  std::deque<std::pair<Fence, cudaEvent_t>> events;  // recorded, not yet waited for, in order
+  std::deque<Recorded> events;  // recorded, not yet waited for, in order
   Fence recorded = 0, reached = 0;
+  std::atomic<std::uint64_t> issued{0}, landed{0};  // copies and zero fills: issued, seen finished
   std::atomic<std::uint64_t> device_allocations{0}, device_bytes{0}, pinned_allocations{0}, pinned_bytes{0},
       copies_to_host{0}, bytes_to_host{0}, copies_to_device{0}, bytes_to_device{0}, zero_fills{0};
 
@@ -52,7 +58,7 @@ CudaEngine::CudaEngine(int device) : impl_(std::make_unique<Impl>()) {
 CudaEngine::~CudaEngine() {
   cudaSetDevice(impl_->device);
   cudaStreamSynchronize(impl_->stream);
-  for (auto& [fence, event] : impl_->events) cudaEventDestroy(event);
+  for (const Impl::Recorded& r : impl_->events) cudaEventDestroy(r.event);
   cudaStreamDestroy(impl_->stream);
 }
 
@@ -92,6 +98,7 @@ void CudaEngine::copy_to_host(TensorView device_src, MutTensorView host_dst) {
   impl_->use();
   check(cudaMemcpyAsync(host_dst.data(), device_src.data(), device_src.bytes(), cudaMemcpyDeviceToHost, impl_->stream),
         "cudaMemcpyAsync (device to host)");
+  ++impl_->issued;
   ++impl_->copies_to_host;
   impl_->bytes_to_host += device_src.bytes();
 }
@@ -102,6 +109,7 @@ void CudaEngine::copy_to_device(TensorView host_src, MutTensorView device_dst) {
   impl_->use();
   check(cudaMemcpyAsync(device_dst.data(), host_src.data(), host_src.bytes(), cudaMemcpyHostToDevice, impl_->stream),
         "cudaMemcpyAsync (host to device)");
+  ++impl_->issued;
   ++impl_->copies_to_device;
   impl_->bytes_to_device += host_src.bytes();
 }
@@ -111,39 +119,55 @@ void CudaEngine::zero(MutTensorView device_dst) {
   if (device_dst.empty()) return;
   impl_->use();
   check(cudaMemsetAsync(device_dst.data(), 0, device_dst.bytes(), impl_->stream), "cudaMemsetAsync");
+  ++impl_->issued;
   ++impl_->zero_fills;
 }
 
 Fence CudaEngine::fence() {
   impl_->use();
   cudaEvent_t event = nullptr;
-  check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreate");
+  // Blocking: a waiting rank thread sleeps instead of spinning beside the threads writing files.
+  check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming | cudaEventBlockingSync), "cudaEventCreate");
+  // Recorded under the lock, so that fence numbers follow the events' order on the stream.
+  const std::lock_guard lock(impl_->mutex);
   if (const cudaError_t rc = cudaEventRecord(event, impl_->stream); rc != cudaSuccess) {
     cudaEventDestroy(event);
     check(rc, "cudaEventRecord");
   }
-  const std::lock_guard lock(impl_->mutex);
-  impl_->events.emplace_back(++impl_->recorded, event);
+  impl_->events.push_back({++impl_->recorded, event, impl_->issued});
   return impl_->recorded;
 }
 
 void CudaEngine::wait(Fence fence) {
+  impl_->use();
   const std::lock_guard lock(impl_->mutex);
   // Events complete in stream order: waiting for the fence retires every earlier one too.
   while (impl_->reached < fence && !impl_->events.empty()) {
-    const auto [number, event] = impl_->events.front();
-    const cudaError_t rc = cudaEventSynchronize(event);
-    cudaEventDestroy(event);
+    const Impl::Recorded r = impl_->events.front();
+    const cudaError_t rc = cudaEventSynchronize(r.event);
+    cudaEventDestroy(r.event);
     impl_->events.pop_front();
-    impl_->reached = number;
+    impl_->reached = r.fence;
     check(rc, "cudaEventSynchronize (an earlier copy failed)");
+    impl_->landed = r.issued;
   }
+}
+
+void CudaEngine::follow(cudaStream_t stream) {
+  impl_->use();
+  cudaEvent_t event = nullptr;
+  check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreate");
+  const cudaError_t recorded = cudaEventRecord(event, stream);
+  const cudaError_t waited = recorded == cudaSuccess ? cudaStreamWaitEvent(impl_->stream, event, 0) : recorded;
+  cudaEventDestroy(event);  // the wait keeps what it needs of the event
+  check(recorded, "cudaEventRecord (on the trainer's stream)");
+  check(waited, "cudaStreamWaitEvent");
 }
 
 EngineStats CudaEngine::stats() const {
   const Impl& m = *impl_;
-  return {m.device_allocations, m.device_bytes, m.pinned_allocations, m.pinned_bytes, m.copies_to_host,
-          m.bytes_to_host,      m.copies_to_device, m.bytes_to_device, m.zero_fills};
+  return {m.device_allocations, m.device_bytes,     m.pinned_allocations, m.pinned_bytes, m.copies_to_host,
+          m.bytes_to_host,      m.copies_to_device, m.bytes_to_device,    m.zero_fills,   m.issued - m.landed};
 }
 
 std::size_t CudaEngine::free_device_memory() const {

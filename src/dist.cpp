@@ -984,7 +984,8 @@ void Saver::save(const StateDict& state, const fs::path& path) {
 AsyncSave Saver::save_async(const StateDict& state, const fs::path& path) {
   impl_->join();
   require(impl_->group->supports_background(), Errc::invalid_argument,
-          "this process group cannot run a save in the background (MPI needs MPI_THREAD_MULTIPLE)");
+          "this process group cannot run a save in the background (MPI needs MPI_THREAD_MULTIPLE; NCCL's "
+          "collectives on another thread can deadlock with the trainer's: give the Saver an MPI or thread group)");
   // A failure to stage is this rank's error in the save's planning phase, so that every rank learns it.
   std::exception_ptr staging_error;
   auto plan = std::make_shared<SavePlan>();

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <filesystem>
 #include <memory>
 #include <vector>
@@ -29,7 +30,10 @@ struct Probe : ProcessGroup {
 
 TEST(Nccl, DeviceShardsSaveAndLoadInPlaceOverNccl) {
   if (NcclGroup::devices() == 0) GTEST_SKIP() << "no CUDA device";
+  // One rank per GPU: NCCL does not support two ranks of a communicator on one device. With one
+  // GPU the group has one rank and no rows are handed between copies.
   const int ranks = std::min(NcclGroup::devices(), 4);
+  std::printf("NCCL group of %d rank%s\n", ranks, ranks == 1 ? " (one GPU: rows are not handed between copies)" : "s");
   testing_support::ScratchDir dir;
   demo::ModelConfig c;
   c.gdp_layers = 1;
