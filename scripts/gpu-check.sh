@@ -1,21 +1,30 @@
 #!/usr/bin/env bash
-# The checks that need an NVIDIA GPU (docs/performance.md, "On a GPU"), in one run of under about 8
+# The checks that need an NVIDIA GPU (docs/performance.md, "On a GPU"), in one run of under 8
 # minutes: the CUDA engine's tests, device shards saved and loaded in place over an NCCL group of
-# min(GPUs, 4) ranks, compute-sanitizer's memcheck over the CUDA tests where it is installed, the
-# demo with CUDA shards (async save, Adam state of a distributed optimizer, reload at another
-# layout), and the bench's device figures. Everything is also written to $OUT/gpu-check.log when
-# OUT is set. Exits 77 without a GPU, 1 when a check fails.
+# min(GPUs, 4) ranks (one rank per GPU: NCCL does not support two ranks on one device), compute-
+# sanitizer's memcheck over the CUDA tests where it is installed, the demo with CUDA shards (async
+# save, Adam state of a distributed optimizer, reload at another layout), and the bench's device
+# figures. Everything is also written to $OUT/gpu-check.log, and the bench's JSON to
+# $OUT/bench-cuda.json, when OUT is set. Exits 77 without a GPU, 1 when a check fails or is cut short.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 log=${OUT:+$OUT/gpu-check.log}
 log=${log:-/dev/null}
 say() { echo "$@" | tee -a "$log"; }
 failed=0
+deadline=470  # seconds: every step is cut to what is left of the 8 minutes
 run() {  # what, seconds, command...
   local what=$1 limit=$2; shift 2
-  say "== $what"
+  local left=$((deadline - SECONDS))
+  if [ "$left" -lt 15 ]; then
+    say "== $what: not run, the 8 minutes are spent"
+    failed=1
+    return
+  fi
+  [ "$limit" -le "$left" ] || limit=$left
+  say "== $what (at most $limit s)"
   local start=$SECONDS
-  timeout "$limit" "$@" 2>&1 | tee -a "$log"
+  timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$log"
   local rc=${PIPESTATUS[0]}
   say "== $what: exit $rc in $((SECONDS - start)) s"
   [ "$rc" -eq 0 ] || failed=1
@@ -26,26 +35,40 @@ if ! nvidia-smi -L > /dev/null 2>&1; then
   exit 77
 fi
 nvidia-smi -L | tee -a "$log"
-# Configured here unless the build directory came along; no packages are installed (the machine
-# may have no network): the toolchain and libraries must already be there.
-[ -f build/build.ninja ] || meson setup build --native-file scripts/clang.ini --buildtype=release > /dev/null
-run "build" 300 meson compile -C build shardckpt shardckpt-bench tests/cuda_test tests/nccl_test
+gpus=$(nvidia-smi -L | grep -c '^GPU')
+# A build of its own with CUDA required (NCCL where it is installed). No packages are installed:
+# the machine may have no network, so the toolchain and libraries must already be there.
+if [ ! -f build-gpu/build.ninja ]; then
+  run "configure" 120 meson setup build-gpu --native-file scripts/clang.ini --buildtype=release -Dcuda=enabled
+  [ -f build-gpu/build.ninja ] || { say "gpu-check: FAILED (the build cannot be configured)"; exit 1; }
+fi
+targets=(shardckpt:executable shardckpt-bench tests/cuda_test)
+nccl=0
+grep -q 'tests/nccl_test:' build-gpu/build.ninja && nccl=1 && targets+=(tests/nccl_test)
+run "build" 300 meson compile -C build-gpu "${targets[@]}"
+[ "$failed" -eq 0 ] || { say "gpu-check: FAILED (the build)"; exit 1; }
 
-run "CUDA engine tests" 120 build/tests/cuda_test
-run "NCCL: device shards saved and loaded in place" 120 build/tests/nccl_test
-if command -v compute-sanitizer > /dev/null || [ -x /usr/local/cuda/bin/compute-sanitizer ]; then
-  sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-  run "compute-sanitizer memcheck" 240 "$sanitizer" --tool memcheck --error-exitcode 1 build/tests/cuda_test
+run "CUDA engine tests" 90 build-gpu/tests/cuda_test
+if [ "$nccl" -eq 1 ]; then
+  say "NCCL ranks: $((gpus < 4 ? gpus : 4)) (one per GPU)"
+  run "NCCL: device shards saved and loaded in place" 90 build-gpu/tests/nccl_test
+else
+  say "== NCCL: not installed, skipped"
+fi
+sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+if [ -x "$sanitizer" ]; then
+  run "compute-sanitizer memcheck" 150 "$sanitizer" --tool memcheck --error-exitcode 1 build-gpu/tests/cuda_test
 else
   say "== compute-sanitizer: not installed, skipped"
 fi
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
-run "demo with CUDA shards" 120 build/shardckpt demo --out "$dir/demo.h5" --device cuda --async --optimizer adam \
+run "demo with CUDA shards" 90 build-gpu/shardckpt demo --out "$dir/demo.h5" --device cuda --async --optimizer adam \
   --distributed-optimizer --tp 2 --gtp 2 --align 16 --dp 2 --load-tp 1 --load-dp 4
-run "load into CUDA shards" 60 build/shardckpt load "$dir/demo.h5" --tp 2 --gtp 1 --dp 2 --distributed-optimizer \
+run "load into CUDA shards" 60 build-gpu/shardckpt load "$dir/demo.h5" --tp 2 --gtp 1 --dp 2 --distributed-optimizer \
   --device cuda --verify
-run "bench, device figures" 300 build/shardckpt-bench --device cuda --size-mib 1024 --repeat 3 --read-repeat 3 \
-  --dp 1 --no-h5py --dir "$dir"
-say "gpu-check: $([ $failed -eq 0 ] && echo "all checks passed" || echo "FAILED")"
+json=${OUT:+$OUT/bench-cuda.json}
+run "bench, device figures" 240 bash -c 'set -o pipefail; build-gpu/shardckpt-bench "$@" | tee "$0"' "${json:-/dev/null}" --device cuda \
+  --size-mib 1024 --repeat 3 --read-repeat 3 --dp 1 --no-h5py --json --dir "$dir"
+say "gpu-check: $([ $failed -eq 0 ] && echo "all checks passed" || echo "FAILED") in $SECONDS s"
 exit $failed
