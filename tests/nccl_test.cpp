@@ -43,8 +43,9 @@ TEST(Nccl, DeviceShardsSaveAndLoadInPlaceOverNccl) {
     NcclGroup group(bootstrap, bootstrap.rank());
     const std::byte mine[3] = {std::byte(group.rank()), std::byte(7), std::byte(group.rank() + 1)};
     const auto all = Probe::all_gather_of(group, mine);
-    ASSERT_EQ(static_cast<int>(all.size()), ranks);
-    for (int r = 0; r < ranks; ++r) EXPECT_EQ(all[static_cast<std::size_t>(r)][2], std::byte(r + 1));
+    // No ASSERT inside a rank: a rank that returned early would leave the others waiting in NCCL.
+    EXPECT_EQ(static_cast<int>(all.size()), ranks);
+    for (std::size_t r = 0; r < all.size(); ++r) EXPECT_TRUE(all[r].size() == 3 && all[r][2] == std::byte(r + 1)) << r;
     EXPECT_EQ(group.broadcast(mine, 0)[1], std::byte(7));
     group.barrier();
 
