@@ -195,7 +195,7 @@ struct ReadOptions {
   BytesDone progress = {};
   // Read tensor data around the page cache (O_DIRECT) where the file system allows it; see
   // io::BulkReader. Metadata and checksums always go through the page cache.
-  bool bypass_page_cache = true;
+  bool bypass_page_cache = false;
 };
 
 struct OpenOptions {

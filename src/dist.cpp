@@ -870,7 +870,6 @@ Values load_into(const fs::path& path, const StateDict& state, ProcessGroup& gro
 
 LoadedState load(const fs::path& path, const StateDict& request, ProcessGroup& group, LoadOptions options,
                  ProcessGroup* replicas) {
-  options.bypass_page_cache = options.bypass_page_cache.value_or(false);
   Allocated a = allocate_destinations(request);
   Values values = load_into(path, a.state, group, std::move(options), replicas);
   return LoadedState(std::move(a.buffers), std::move(values));

@@ -120,7 +120,7 @@ class Source {
   Source(const CheckpointReader& reader, bool local, const LoadOptions& options)
       : reader_(reader),
         local_(local),
-        read_{options.method, options.verify_checksums, options.progress, options.bypass_page_cache.value_or(true)} {
+        read_{options.method, options.verify_checksums, options.progress, options.bypass_page_cache} {
     if (options.staging) arena_.emplace(*options.staging);
     if (local)
       for (const DatasetInfo& d : reader.datasets())
@@ -569,7 +569,6 @@ Allocated allocate_destinations(const StateDict& request) {
 }
 
 LoadedState load(const CheckpointReader& reader, const StateDict& request, LoadOptions options) {
-  options.bypass_page_cache = options.bypass_page_cache.value_or(false);
   Allocated a = allocate_destinations(request);
   Values values = load_into(reader, a.state, options);
   return LoadedState(std::move(a.buffers), std::move(values));
@@ -663,7 +662,6 @@ Values load_local_into(const fs::path& path, const StateDict& state, LoadOptions
 }
 
 LoadedState load_local(const fs::path& path, const StateDict& request, LoadOptions options) {
-  options.bypass_page_cache = options.bypass_page_cache.value_or(false);
   Allocated a = allocate_destinations(request);
   Values values = load_local_into(path, a.state, options);
   return LoadedState(std::move(a.buffers), std::move(values));

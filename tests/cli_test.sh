@@ -112,13 +112,13 @@ check "load verify tp4 json" "$exe" load "$dir/demo.h5" --tp 4 --gtp 1 --align 0
 check "load distributed optimizer at dp 4" "$exe" load "$dir/adam.h5" --tp 2 --gtp 1 --dp 4 --distributed-optimizer \
   --verify --device emulated > /dev/null
 check "load adam state whole at dp 1" "$exe" load "$dir/adam.h5" --tp 1 --gtp 3 --align 4 --verify > /dev/null
-# Tensor data is read around the page cache by default; through it, and where the file system
-# refuses direct reads (EINVAL), the same bytes arrive; a direct read that fails is a load that fails.
-check "load through the page cache" "$exe" load "$dir/demo.h5" --tp 1 --gtp 5 --align 4 --verify --page-cache > /dev/null
+# Tensor data read around the page cache arrives the same; where the file system refuses direct
+# reads (EINVAL) it is read plainly instead; a direct read that fails is a load that fails.
+check "load around the page cache" "$exe" load "$dir/demo.h5" --tp 1 --gtp 5 --align 4 --verify --bypass-page-cache > /dev/null
 check "load where direct reads are refused" env LD_PRELOAD="$faulty" FAULTY_IO_PATH=demo.h5 FAULTY_IO_DIRECT=EINVAL \
-  "$exe" load "$dir/demo.h5" --tp 2 --gtp 3 --align 4 --verify > /dev/null
+  "$exe" load "$dir/demo.h5" --tp 2 --gtp 3 --align 4 --verify --bypass-page-cache > /dev/null
 expect_rc 2 "load where a direct read fails" env LD_PRELOAD="$faulty" FAULTY_IO_PATH=demo.h5 FAULTY_IO_DIRECT=EIO \
-  "$exe" load "$dir/demo.h5" --tp 2 --gtp 3 --align 4
+  "$exe" load "$dir/demo.h5" --tp 2 --gtp 3 --align 4 --bypass-page-cache
 check "the read error names the file" grep -q "could not read .* bytes at byte .*demo.h5: Input/output error" "$dir/err"
 check "load json says what was checked" $py -c "
 import json; d = json.load(open('$dir/load.json'))

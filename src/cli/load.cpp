@@ -29,7 +29,7 @@ struct LoadFlags {
   std::string method = "direct";
   bool verify = false;
   bool no_checksums = false;
-  bool page_cache = false;
+  bool bypass_page_cache = false;
   bool distributed = false;
 };
 
@@ -68,7 +68,7 @@ Outcome run(const LoadFlags& f, const demo::Layout& layout, const CheckpointRead
                      .expect_id = reader.contents().id,
                      .progress = progress.callback(),
                      .staging = device.staging(),
-                     .bypass_page_cache = !f.page_cache},
+                     .bypass_page_cache = f.bypass_page_cache},
                     replicas.get());
     group.barrier();
     const demo::Verification v =
@@ -100,9 +100,8 @@ Runner add_load(CLI::App& app, Global& global) {
   cmd->add_flag("--verify", f->verify,
                 "also check that pad rows are zero and, for a demo checkpoint, every value against the pattern");
   cmd->add_flag("--no-checksums", f->no_checksums, "do not check the bytes read against their checksums");
-  cmd->add_flag("--page-cache", f->page_cache,
-                "read tensor data through the page cache (default: around it, with O_DIRECT, where the file "
-                "system allows)");
+  cmd->add_flag("--bypass-page-cache", f->bypass_page_cache,
+                "read tensor data around the page cache (O_DIRECT) where the file system allows");
   add_method(*cmd, f->method);
   add_json(*cmd, global);
   return [f, &global] {
