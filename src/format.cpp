@@ -640,8 +640,8 @@ struct CheckpointReader::Impl {
 
   fs::path path;
   io::File file;
-  // Bulk reads of `file`: bypassing the page cache where the file system allows it, and not.
-  std::optional<io::BulkReader> uncached, cached;
+  // Bulk reads of `file` through the page cache, and (opened on first use, under the mutex) around it.
+  std::optional<io::BulkReader> cached, uncached;
   std::unique_ptr<hdf5::Channel> channel;
   Hid h5;
   Hid access;     // how datasets open: external files are found next to the checkpoint
@@ -752,7 +752,6 @@ CheckpointReader::CheckpointReader(const fs::path& path, OpenOptions options) : 
   if (options.require_seal && !m.seal)
     m.refuse("it has no seal, so its metadata cannot be checked before HDF5 reads it");
   m.file_size = m.file.size();
-  m.uncached.emplace(m.file, io::PageCache::bypass);
   m.cached.emplace(m.file, io::PageCache::use);
   m.channel = std::make_unique<hdf5::Channel>(m.file);
   try {
@@ -921,11 +920,15 @@ void CheckpointReader::Impl::raw_read(const DatasetInfo& d, Entry& e, const Box&
                                       std::int64_t mem_row_elems, std::int64_t mem_col, const ReadOptions& options) {
   const std::int64_t es = element_size(d.dtype);
   if (options.method == IoMethod::direct) {
-    const io::BulkReader& bulk = options.bypass_page_cache ? *uncached : *cached;
+    const io::BulkReader* bulk = &*cached;
     const std::vector<Extent>* extents = nullptr;
     {
       const std::lock_guard lock(mutex);
       extents = &extents_for(e);
+      if (options.bypass_page_cache) {
+        if (!uncached) uncached.emplace(file, io::PageCache::bypass);
+        bulk = &*uncached;
+      }
     }
     if (!extents->empty()) {
       const std::int64_t stride = mem_row_elems * es;
@@ -936,9 +939,9 @@ void CheckpointReader::Impl::raw_read(const DatasetInfo& d, Entry& e, const Box&
                    for (std::size_t r = 0; r < rows; ++r)
                      file.pread_all(q + r * s, run, at + r * static_cast<std::uint64_t>(file_stride));
                  else if (run == s)
-                   bulk.read(q, run * rows, at);
+                   bulk->read(q, run * rows, at);
                  else
-                   bulk.read_runs(q, run, s, rows, at);
+                   bulk->read_runs(q, run, s, rows, at);
                });
       return;
     }
