@@ -9,6 +9,7 @@ module;
 #include <cstring>
 #include <memory>
 #include <span>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -120,12 +121,27 @@ int NcclGroup::devices() noexcept { return CudaEngine::devices(); }
 NcclGroup::NcclGroup(ProcessGroup& bootstrap, int device) : impl_(std::make_unique<Impl>()) {
   rank_ = bootstrap.rank();
   size_ = bootstrap.size();
+  // Every rank learns whether all could start before any enters ncclCommInitRank, which would wait
+  // for a rank that failed (no device, say) forever. Each sends [started][rank 0's id].
   ncclUniqueId id{};
-  if (rank_ == 0) check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
-  const auto shared = bootstrap.broadcast(std::as_bytes(std::span(&id, 1)), 0);
-  std::memcpy(&id, shared.data(), sizeof id);
-  impl_->device = device;
-  impl_->start();
+  std::string why;
+  try {
+    if (rank_ == 0) check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
+    impl_->device = device;
+    impl_->start();
+  } catch (const Error& e) {
+    why = e.what();
+  }
+  std::vector<std::byte> mine(1 + sizeof id);
+  mine[0] = std::byte{why.empty()};
+  std::memcpy(mine.data() + 1, &id, sizeof id);
+  const std::vector<std::vector<std::byte>> all = all_gather_of(bootstrap, mine);
+  std::string failed;
+  for (std::size_t r = 0; r < all.size(); ++r)
+    if (all[r].size() != mine.size() || all[r][0] != std::byte{1}) failed += cat(failed.empty() ? "" : ", ", r);
+  require(failed.empty(), Errc::collective, "an NCCL group of ", size_, " ranks cannot start: ranks failed: ", failed,
+          why.empty() ? "" : cat(" (this rank: ", why, ")"));
+  std::memcpy(&id, all[0].data() + 1, sizeof id);
   check_nccl(ncclCommInitRank(&impl_->comm, size_, id, rank_), "ncclCommInitRank");
 }
 

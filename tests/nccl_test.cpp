@@ -1,7 +1,7 @@
 // The NCCL process group and the CUDA copy engine on real devices: metadata collectives, device
 // shards saved through a Saver's pinned pool, and a load in place at DP = ranks whose replicas read
-// one share each and hand each other their device rows through NCCL. Without a CUDA device (this
-// machine, CI) every test skips, and says so.
+// one share each and hand each other their device rows through NCCL; and a group one of whose ranks
+// cannot start fails on every rank (this runs anywhere). Without a CUDA device the others skip.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "test_support.hpp"
@@ -64,6 +65,30 @@ TEST(Nccl, DeviceShardsSaveAndLoadInPlaceOverNccl) {
     EXPECT_EQ(v.mismatches, 0) << v.first_mismatch;
     EXPECT_GT(v.values, 0);
   });
+}
+
+// A rank that cannot start (here: a device that does not exist, on any machine) fails the group's
+// construction on every rank, naming it, instead of leaving the others waiting in ncclCommInitRank.
+TEST(Nccl, ARankThatCannotStartFailsEveryRank) {
+  std::vector<std::string> errors(2);
+  run_ranks(2, [&](ProcessGroup& bootstrap) {
+    const int device = bootstrap.rank() == 1 ? 1 << 20 : 0;
+    try {
+      NcclGroup group(bootstrap, device);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::collective);
+      errors[static_cast<std::size_t>(bootstrap.rank())] = e.what();
+    }
+  });
+  // Rank 1 failed (rank 0 too, on a machine without a usable GPU).
+  for (const std::string& e : errors) {
+    const std::string lead = "cannot start: ranks failed: ";
+    const std::size_t at = e.find(lead);
+    ASSERT_NE(at, std::string::npos) << e;
+    const std::string failed = e.substr(at + lead.size(), e.find(" (", at) - at - lead.size());
+    EXPECT_TRUE(failed == "1" || failed == "0, 1") << e;
+  }
+  EXPECT_NE(errors[1].find("(this rank: CUDA cudaSetDevice failed"), std::string::npos) << errors[1];
 }
 
 // Exit 77 (Meson's "skipped") when every test skipped, so that a run without a GPU is reported as
