@@ -169,6 +169,8 @@ void describe_model(const Run& run, Report& report);
 void measure_writes(Run& run, Report& report);
 void measure_reads(Run& run, Report& report);
 void measure_replicas(Run& run, Report& report);
+// Throws Errc::device when the device phase's engine cannot be made (before any other phase runs).
+void check_device(const std::string& device);
 void measure_device(Run& run, Report& report);
 void measure_planning(Report& report);
 

@@ -112,6 +112,10 @@ std::int64_t growth_over_ten_saves(Run& run, Ranks& d) {
 
 }  // namespace
 
+void check_device(const std::string& device) {
+  if (device != "host") (void)make_engine(device, 0);
+}
+
 void measure_device(Run& run, Report& report) {
   if (run.o.device == "host") return;
   run.progress(cat("shards in ", run.o.device, " device memory"));

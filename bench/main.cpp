@@ -91,6 +91,7 @@ int run(const Options& o) {
   // Every buffer of 1 MiB or more gets its own mapping and goes back to the system when freed: no
   // phase then inherits memory an earlier one faulted in, and each phase's peak is its own.
   ::mallopt(M_MMAP_THRESHOLD, 1 << 20);
+  check_device(o.device);
   const Directory dir(o);
   Run run(o, dir.path);
   Report report;
