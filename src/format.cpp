@@ -671,6 +671,8 @@ struct CheckpointReader::Impl {
   void read_units(std::int64_t first, std::int64_t n, std::uint64_t* out) const;
   void raw_read(const DatasetInfo& d, Entry& e, const Box& box, std::byte* mem, std::int64_t mem_row_elems,
                 std::int64_t mem_col, const ReadOptions& options);
+  void read_checked(const DatasetInfo& d, Entry& e, const Slab& s, const Box& sub, const Box& box, std::byte* out,
+                    const ReadOptions& options);
   void read_metadata();
 };
 
@@ -1032,6 +1034,49 @@ std::vector<Slab> CheckpointReader::slabs(const DatasetInfo& d) const {
   return m.slabs_for(e);
 }
 
+// Reads `sub` (the part of `box` that slab `s` holds) into `out` (the rows of `box`), checking
+// every unit read against its checksum in batches. Whole units (the slab's rows lie inside the box's
+// columns) are read in place; units that reach past the box are read whole into scratch memory,
+// checked, and the asked-for part copied.
+void CheckpointReader::Impl::read_checked(const DatasetInfo& d, Entry& e, const Slab& s, const Box& sub,
+                                          const Box& box, std::byte* out, const ReadOptions& options) {
+  const std::int64_t es = element_size(d.dtype), width = box.cols.size();
+  const auto mismatch = [&](std::int64_t row) {
+    throw Error(Errc::corrupt, cat(path.string(), ": key ", d.key, ", ",
+                                   rows_text({{row, row + 1}, s.box.cols}, whole_box(d.shape)),
+                                   ": the bytes read differ from the bytes saved (checksum mismatch)"));
+  };
+  const bool whole_units = box.cols.begin <= s.box.cols.begin && s.box.cols.end <= box.cols.end;
+  const std::int64_t unit_bytes = s.box.cols.size() * es;
+  const std::int64_t batch = options.bypass_page_cache ? direct_read_batch : cached_read_batch;
+  const std::int64_t step = std::max<std::int64_t>(1, batch / (whole_units ? width * es : unit_bytes));
+  std::vector<std::uint64_t> want;
+  std::vector<std::byte> scratch;
+  for (std::int64_t r0 = sub.rows.begin; r0 < sub.rows.end; r0 += step) {
+    const std::int64_t r1 = std::min(r0 + step, sub.rows.end), n = r1 - r0;
+    want.resize(static_cast<std::size_t>(n));
+    read_units(s.first_unit + (r0 - s.box.rows.begin), n, want.data());
+    std::byte* rows = out + (r0 - box.rows.begin) * width * es;
+    if (whole_units) {
+      raw_read(d, e, {{r0, r1}, s.box.cols}, rows, width, s.box.cols.begin - box.cols.begin, options);
+      for (std::int64_t r = 0; r < n; ++r)
+        if (row_hash(rows + (r * width + s.box.cols.begin - box.cols.begin) * es,
+                     static_cast<std::size_t>(unit_bytes)) != want[static_cast<std::size_t>(r)])
+          mismatch(r0 + r);
+    } else {
+      scratch.resize(static_cast<std::size_t>(n * unit_bytes));
+      raw_read(d, e, {{r0, r1}, s.box.cols}, scratch.data(), s.box.cols.size(), 0, options);
+      for (std::int64_t r = 0; r < n; ++r) {
+        const std::byte* unit = scratch.data() + r * unit_bytes;
+        if (row_hash(unit, static_cast<std::size_t>(unit_bytes)) != want[static_cast<std::size_t>(r)]) mismatch(r0 + r);
+        std::memcpy(rows + r * width * es + (sub.cols.begin - box.cols.begin) * es,
+                    unit + (sub.cols.begin - s.box.cols.begin) * es, static_cast<std::size_t>(sub.cols.size() * es));
+      }
+    }
+    if (options.progress) options.progress(n * sub.cols.size() * es);
+  }
+}
+
 void CheckpointReader::read(const DatasetInfo& d, const Box& box, MutTensorView dst, ReadOptions options) const {
   Impl& m = *impl_;
   check_box(d, box, dst.dtype(), dst.bytes(), m.path);
@@ -1051,13 +1096,6 @@ void CheckpointReader::read(const DatasetInfo& d, const Box& box, MutTensorView 
     if (options.progress) options.progress(box_elements(box) * es);
     return;
   }
-  const Box whole = whole_box(d.shape);
-  const auto mismatch = [&](const Box& unit) {
-    throw Error(Errc::corrupt, cat(m.path.string(), ": key ", d.key, ", ", rows_text(unit, whole),
-                                   ": the bytes read differ from the bytes saved (checksum mismatch)"));
-  };
-  std::vector<std::uint64_t> want;
-  std::vector<std::byte> scratch;
   std::int64_t covered = 0;
   // The slabs that can meet the box: those starting before its end whose reach passes its start.
   const auto first = std::upper_bound(e->slab_reach.begin(), e->slab_reach.end(), box.rows.begin) - e->slab_reach.begin();
@@ -1066,39 +1104,10 @@ void CheckpointReader::read(const DatasetInfo& d, const Box& box, MutTensorView 
     const Box sub = s.box.intersect(box);
     if (sub.empty()) continue;
     covered += box_elements(sub);
-    // Whole units (the slab's rows lie inside the box's columns) are read in place; units that
-    // reach past the box are read whole into scratch memory, checked, and the asked-for part copied.
-    const bool whole_units = box.cols.begin <= s.box.cols.begin && s.box.cols.end <= box.cols.end;
-    const std::int64_t unit_bytes = s.box.cols.size() * es;
-    const std::int64_t batch = options.bypass_page_cache ? direct_read_batch : cached_read_batch;
-    const std::int64_t step = std::max<std::int64_t>(1, batch / std::max<std::int64_t>(whole_units ? width * es : unit_bytes, 1));
-    for (std::int64_t r0 = sub.rows.begin; r0 < sub.rows.end; r0 += step) {
-      const std::int64_t r1 = std::min(r0 + step, sub.rows.end), n = r1 - r0;
-      want.resize(static_cast<std::size_t>(n));
-      m.read_units(s.first_unit + (r0 - s.box.rows.begin), n, want.data());
-      std::byte* rows = out + (r0 - box.rows.begin) * width * es;
-      if (whole_units) {
-        m.raw_read(d, *e, {{r0, r1}, s.box.cols}, rows, width, s.box.cols.begin - box.cols.begin, options);
-        for (std::int64_t r = 0; r < n; ++r)
-          if (row_hash(rows + (r * width + s.box.cols.begin - box.cols.begin) * es,
-                       static_cast<std::size_t>(unit_bytes)) != want[static_cast<std::size_t>(r)])
-            mismatch({{r0 + r, r0 + r + 1}, s.box.cols});
-      } else {
-        scratch.resize(static_cast<std::size_t>(n * unit_bytes));
-        m.raw_read(d, *e, {{r0, r1}, s.box.cols}, scratch.data(), s.box.cols.size(), 0, options);
-        for (std::int64_t r = 0; r < n; ++r) {
-          const std::byte* unit = scratch.data() + r * unit_bytes;
-          if (row_hash(unit, static_cast<std::size_t>(unit_bytes)) != want[static_cast<std::size_t>(r)])
-            mismatch({{r0 + r, r0 + r + 1}, s.box.cols});
-          std::memcpy(rows + r * width * es + (sub.cols.begin - box.cols.begin) * es,
-                      unit + (sub.cols.begin - s.box.cols.begin) * es, static_cast<std::size_t>(sub.cols.size() * es));
-        }
-      }
-      if (options.progress) options.progress(n * sub.cols.size() * es);
-    }
+    m.read_checked(d, *e, s, sub, box, out, options);
   }
   require(covered == box_elements(box), Errc::not_a_checkpoint, m.path.string(), ": the slab table of ", d.key,
-          " does not cover ", rows_text(box, whole));
+          " does not cover ", rows_text(box, whole_box(d.shape)));
 }
 
 void CheckpointReader::read(const DatasetInfo& d, std::span<const std::int64_t> offset,
