@@ -57,7 +57,7 @@ struct NcclGroup::Impl {
   bool failed = false;  // a collective failed: the communicator is aborted, not destroyed
   void* scratch = nullptr;
   std::byte* host = nullptr;
-  std::size_t scratch_bytes = 0, host_bytes = 0;
+  std::size_t scratch_bytes = 0;  // of `scratch` and of `host` alike
 
   static constexpr std::size_t initial_scratch = std::size_t{1} << 20;
 
@@ -87,12 +87,12 @@ struct NcclGroup::Impl {
     const std::size_t n = std::max(bytes, 2 * scratch_bytes);
     cudaFree(std::exchange(scratch, nullptr));
     cudaFreeHost(std::exchange(host, nullptr));
-    scratch_bytes = host_bytes = 0;
+    scratch_bytes = 0;
     check_cuda(cudaMalloc(&scratch, n), "cudaMalloc (collective scratch)");
     void* h = nullptr;
     check_cuda(cudaHostAlloc(&h, n, cudaHostAllocDefault), "cudaHostAlloc (collective scratch)");
     host = static_cast<std::byte*>(h);
-    scratch_bytes = host_bytes = n;
+    scratch_bytes = n;
   }
 
   // Waits for the stream; a communicator that reports an error (a peer failed, say) is aborted

@@ -227,9 +227,9 @@ void transfer(const fs::path& file, std::span<const Extent> extents, std::int64_
           ": the dataset's chunks do not cover the slab being moved");
 }
 
-// Rows per batch for rows of `row_bytes`.
-std::int64_t batch_rows(std::int64_t row_bytes) {
-  return std::max<std::int64_t>(1, batch_bytes / std::max<std::int64_t>(row_bytes, 1));
+// Rows per batch of about `batch` bytes for rows of `row_bytes`.
+std::int64_t batch_rows(std::int64_t row_bytes, std::int64_t batch = batch_bytes) {
+  return std::max<std::int64_t>(1, batch / std::max<std::int64_t>(row_bytes, 1));
 }
 
 // Checks a box against a dataset and the caller's tensor.
@@ -1048,8 +1048,8 @@ void CheckpointReader::Impl::read_checked(const DatasetInfo& d, Entry& e, const 
   };
   const bool whole_units = box.cols.begin <= s.box.cols.begin && s.box.cols.end <= box.cols.end;
   const std::int64_t unit_bytes = s.box.cols.size() * es;
-  const std::int64_t batch = options.bypass_page_cache ? direct_read_batch : cached_read_batch;
-  const std::int64_t step = std::max<std::int64_t>(1, batch / (whole_units ? width * es : unit_bytes));
+  const std::int64_t step = batch_rows(whole_units ? width * es : unit_bytes,
+                                       options.bypass_page_cache ? direct_read_batch : cached_read_batch);
   std::vector<std::uint64_t> want;
   std::vector<std::byte> scratch;
   for (std::int64_t r0 = sub.rows.begin; r0 < sub.rows.end; r0 += step) {
