@@ -1,10 +1,7 @@
 // Tests for shardckpt.io's bulk reads: every range, alignment and row pattern reads the file's
 // bytes whether it bypasses the page cache or not; the end of the file is the same error either
 // way; a bypassing reader leaves the page cache empty; a replaced path is never read.
-#include <fcntl.h>
 #include <gtest/gtest.h>
-#include <sys/mman.h>
-#include <unistd.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -23,6 +20,8 @@ import shardckpt.io;
 
 using namespace shardckpt;
 using testing_support::error_of;
+using testing_support::cached_pages_after;
+using testing_support::direct_io_possible;
 using testing_support::ScratchDir;
 
 namespace {
@@ -42,14 +41,6 @@ std::filesystem::path write_file(const std::filesystem::path& p, const std::vect
   std::ofstream(p, std::ios::binary)
       .write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
   return p;
-}
-
-// Whether this file system takes O_DIRECT opens at all (tmpfs did not before Linux 6.6).
-bool direct_io_possible(const std::filesystem::path& p) {
-  const int fd = ::open(p.c_str(), O_RDONLY | O_DIRECT);
-  if (fd < 0) return false;
-  ::close(fd);
-  return true;
 }
 
 // Memory aligned to a page, `shift` bytes in: to put a destination at any alignment.
@@ -162,21 +153,13 @@ TEST(BulkReader, ABypassingReaderLeavesThePageCacheEmpty) {
   const io::File file = io::File::open_read(p);
   // Pages of the file in the page cache, once it was dropped from it and read by `cache`.
   const auto cached_after_read = [&](io::PageCache cache) {
-    ::fdatasync(file.descriptor());
-    EXPECT_EQ(0, ::posix_fadvise(file.descriptor(), 0, 0, POSIX_FADV_DONTNEED));
-    const io::BulkReader reader(file, cache);
-    EXPECT_EQ(reader.bypasses(), cache == io::PageCache::bypass);
-    std::vector<std::byte> out(file_size);
-    reader.read(out.data(), file_size, 0);
-    EXPECT_EQ(out, bytes);
-    void* map = ::mmap(nullptr, file_size, PROT_READ, MAP_SHARED, file.descriptor(), 0);
-    EXPECT_NE(map, MAP_FAILED);
-    std::vector<unsigned char> resident((file_size + 4095) / 4096);
-    EXPECT_EQ(0, ::mincore(map, file_size, resident.data()));
-    ::munmap(map, file_size);
-    std::size_t pages = 0;
-    for (unsigned char r : resident) pages += r & 1;
-    return pages;
+    return cached_pages_after(p, [&] {
+      const io::BulkReader reader(file, cache);
+      EXPECT_EQ(reader.bypasses(), cache == io::PageCache::bypass);
+      std::vector<std::byte> out(file_size);
+      reader.read(out.data(), file_size, 0);
+      EXPECT_EQ(out, bytes);
+    });
   };
   EXPECT_EQ(cached_after_read(io::PageCache::bypass), 0u);
   // The control: the same read through the page cache leaves the pages there.

@@ -1,9 +1,6 @@
 // Tests for shardckpt.state: state dicts, save preprocessing, loads at any layout, factory merges
 // against the complete tree on the global and the local path, and errors that change nothing.
-#include <fcntl.h>
 #include <gtest/gtest.h>
-#include <sys/mman.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -11,7 +8,6 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
-#include <functional>
 #include <map>
 #include <mutex>
 #include <span>
@@ -682,26 +678,6 @@ TEST(StateDicts, KeysAreUniqueAcrossKinds) {
       Errc::invalid_argument);  // GTP rank 2 of a group of 2
 }
 
-namespace {
-
-// Pages of `path` in the page cache after it was dropped from it and `read` ran.
-std::size_t cached_pages_after(const std::filesystem::path& path, const std::function<void()>& read) {
-  const int fd = ::open(path.c_str(), O_RDONLY);
-  ::fdatasync(fd);
-  EXPECT_EQ(0, ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED));
-  read();
-  const auto size = static_cast<std::size_t>(std::filesystem::file_size(path));
-  void* map = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
-  std::vector<unsigned char> resident((size + 4095) / 4096);
-  EXPECT_EQ(0, ::mincore(map, size, resident.data()));
-  ::munmap(map, size);
-  ::close(fd);
-  return static_cast<std::size_t>(
-      std::count_if(resident.begin(), resident.end(), [](unsigned char r) { return r & 1; }));
-}
-
-}  // namespace
-
 // Loads read tensor data through the page cache unless asked to read around it, and either way
 // deliver the same values.
 TEST(Load, ReadsAroundThePageCacheOnlyWhenAskedTo) {
@@ -710,9 +686,7 @@ TEST(Load, ReadsAroundThePageCacheOnlyWhenAskedTo) {
   c.cols = 1024;
   const demo::Layout l{1, 2, 8, 1};
   run_ranks(l.ranks(), [&](ProcessGroup& g) { save(demo::build_rank(c, l, g.rank()).state, dir / "a.h5", g); });
-  const int probe = ::open((dir / "a.h5").c_str(), O_RDONLY | O_DIRECT);
-  if (probe < 0) GTEST_SKIP() << "this file system refuses O_DIRECT";
-  ::close(probe);
+  if (!testing_support::direct_io_possible(dir / "a.h5")) GTEST_SKIP() << "this file system refuses O_DIRECT";
   const std::size_t pages = (std::filesystem::file_size(dir / "a.h5") + 4095) / 4096;
   ASSERT_GT(pages, 1000u);  // tensor data, not metadata, makes up the file
   const StateDict request = demo::request(c, l, 0), model = demo::with_destinations(request);
@@ -730,10 +704,10 @@ TEST(Load, ReadsAroundThePageCacheOnlyWhenAskedTo) {
       else
         EXPECT_GT(cached, pages / 3) << "of " << pages;
     };
-    expect_cached(cached_pages_after(dir / "a.h5", [&] {
+    expect_cached(testing_support::cached_pages_after(dir / "a.h5", [&] {
       check(demo::verify(c, {}, 0, model, load_into(dir / "a.h5", model, options)));
     }));
-    expect_cached(cached_pages_after(dir / "a.h5", [&] {
+    expect_cached(testing_support::cached_pages_after(dir / "a.h5", [&] {
       check(demo::verify(c, {}, 0, request, load(dir / "a.h5", request, options)));
     }));
   }

@@ -1,14 +1,20 @@
 // Helpers shared by the test suites: scratch directories and file contents. No shardckpt types
 // here, so that suites can include it before their imports.
 #pragma once
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <iterator>
 #include <string>
+#include <vector>
 
 namespace testing_support {
 
@@ -35,6 +41,31 @@ class ScratchDir {
 inline std::string file_bytes(const std::filesystem::path& p) {
   std::ifstream in(p, std::ios::binary);
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// Whether this file system takes O_DIRECT opens at all (tmpfs did not before Linux 6.6).
+inline bool direct_io_possible(const std::filesystem::path& p) {
+  const int fd = ::open(p.c_str(), O_RDONLY | O_DIRECT);
+  if (fd < 0) return false;
+  ::close(fd);
+  return true;
+}
+
+// Pages of `path` in the page cache after it was dropped from it and `read` ran.
+inline std::size_t cached_pages_after(const std::filesystem::path& path, const std::function<void()>& read) {
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  ::fdatasync(fd);
+  EXPECT_EQ(0, ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED));
+  read();
+  const auto size = static_cast<std::size_t>(std::filesystem::file_size(path));
+  void* map = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+  EXPECT_NE(map, MAP_FAILED);
+  std::vector<unsigned char> resident((size + 4095) / 4096);
+  EXPECT_EQ(0, ::mincore(map, size, resident.data()));
+  ::munmap(map, size);
+  ::close(fd);
+  return static_cast<std::size_t>(
+      std::count_if(resident.begin(), resident.end(), [](unsigned char r) { return r & 1; }));
 }
 
 // h5py and numpy exist only for the system python.
