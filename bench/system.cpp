@@ -74,7 +74,6 @@ std::int64_t proc_status_bytes(std::string_view field) {
 void remove_file(const fs::path& p) {
   std::error_code ec;
   fs::remove(p, ec);
-  fs::remove(partial_path(p), ec);
 }
 
 void parallel_for(int n, const std::function<void(int)>& fn) {

@@ -33,7 +33,8 @@ enum class Errc : std::uint8_t {
   materialization_forbidden,  // a full copy was asked for inside ForbidMaterialization
   collective,                 // another rank failed, or the process group broke
   device,                     // a device or its runtime failed, or there is none (CUDA)
-  internal,                   // anything else (out of memory, say), carried across ranks as text
+  resources,                  // not enough memory, file descriptors or threads for what was asked
+  internal,                   // anything else, carried across ranks as text
 };
 
 std::string_view errc_name(Errc code) noexcept;

@@ -142,6 +142,13 @@ Values load_into(const std::filesystem::path& path, const StateDict& state, Proc
                  LoadOptions options = {}, ProcessGroup* replicas = nullptr);
 LoadedState load(const std::filesystem::path& path, const StateDict& request, ProcessGroup& group,
                  LoadOptions options = {}, ProcessGroup* replicas = nullptr);
+// The same through a checkpoint each rank has open already (thread ranks may share one reader):
+// records, common values and tensor bytes then come from that one open file, and the ranks check
+// that their readers hold the same checkpoint (CheckpointReader::fingerprint) before anything is read.
+Values load_into(const CheckpointReader& reader, const StateDict& state, ProcessGroup& group, LoadOptions options = {},
+                 ProcessGroup* replicas = nullptr);
+LoadedState load(const CheckpointReader& reader, const StateDict& request, ProcessGroup& group,
+                 LoadOptions options = {}, ProcessGroup* replicas = nullptr);
 
 // A save that returns once its bytes are staged (Saver::save_async): wait() returns the collective
 // outcome, the same on every rank, or throws it.

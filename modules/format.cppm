@@ -121,9 +121,6 @@ enum class IoMethod : std::uint8_t { direct, hyperslab };
 // Told how many more bytes of tensor data were written or read (progress reports).
 using BytesDone = std::function<void(std::int64_t bytes)>;
 
-// The temporary name a save writes under before it commits: `<path>.partial`.
-std::filesystem::path partial_path(const std::filesystem::path& path);
-
 // A range of bytes of a file.
 struct ByteRange {
   std::uint64_t offset = 0;
@@ -139,13 +136,12 @@ struct Skeleton {
   std::vector<ByteRange> data;
 };
 
-// Creates (truncating) the file at `partial` with every dataset allocated at its full shape,
-// unwritten, a checksum table of `units` entries (none unless contents.checksummed), and the
-// metadata, but not marked complete.
-// Every write error (a full disk, a file-size limit, EIO) is an Error{Errc::io}; nothing of HDF5
-// stays open afterwards.
-Skeleton create_skeleton(const std::filesystem::path& partial, std::span<const DatasetSpec> datasets,
-                         const CheckpointContents& contents, std::int64_t units);
+// Writes into the empty file `file` (a save's temporary file, io::TemporaryFile) every dataset
+// allocated at its full shape, unwritten, a checksum table of `units` entries (none unless
+// contents.checksummed), and the metadata, but does not mark it complete. Every write error (a full
+// disk, a file-size limit, EIO) is an Error{Errc::io}; nothing of HDF5 stays open afterwards.
+Skeleton create_skeleton(io::File& file, std::span<const DatasetSpec> datasets, const CheckpointContents& contents,
+                         std::int64_t units);
 
 // Where a writer's checksums go: the table's address in the file and the writer's first unit.
 struct ChecksumSlot {
@@ -159,7 +155,8 @@ struct ChecksumSlot {
 // the checkpoint has no checksums.
 class PieceWriter {
  public:
-  PieceWriter(const std::filesystem::path& partial, IoMethod method, std::optional<ChecksumSlot> checksums,
+  // Writes into `file` (a skeleton, opened for writing), which must outlive the writer.
+  PieceWriter(io::File& file [[clang::lifetimebound]], IoMethod method, std::optional<ChecksumSlot> checksums,
               BytesDone progress = {});
   PieceWriter(PieceWriter&&) noexcept;
   PieceWriter& operator=(PieceWriter&&) noexcept;
@@ -170,7 +167,7 @@ class PieceWriter {
   // The same for the slab at `offset` with extent `count`; only dims 0 and 1 may be partial.
   void write(const DatasetInfo& dataset, std::span<const std::int64_t> offset, std::span<const std::int64_t> count,
              TensorView src);
-  // Writes the checksums, flushes everything to stable storage and closes, checking every step.
+  // Writes the checksums and flushes everything to stable storage, checking every step.
   void finish();
 
  private:
@@ -178,15 +175,12 @@ class PieceWriter {
   std::unique_ptr<Impl> impl_;
 };
 
-// Marks a fully written skeleton complete, then seals it: the XXH3-64 of every byte outside `data`
-// (its HDF5 metadata) goes into a trailer past HDF5's end of the file, which a reader checks before
-// HDF5 parses anything, so that damaged metadata is refused rather than trusted to HDF5's parser.
-// Flushes to disk.
-void mark_complete(const std::filesystem::path& partial, std::span<const ByteRange> data);
-// Atomically renames `partial` to `path` (replacing an earlier checkpoint) and syncs the directory.
-void commit(const std::filesystem::path& partial, const std::filesystem::path& path);
-// Removes a partial file after a failed save; never throws.
-void discard(const std::filesystem::path& partial) noexcept;
+// Marks a fully written skeleton complete, then seals it: for every 4 KiB page of the file that
+// holds bytes outside `data` (its HDF5 metadata), the XXH3-64 of those bytes goes into a trailer
+// past HDF5's end of the file, which a reader checks before HDF5 parses anything and again on every
+// read HDF5 makes, so that damaged or changed metadata is refused rather than trusted to HDF5's
+// parser. Flushes to disk. The caller then commits the file (io::TemporaryFile::commit).
+void mark_complete(io::File& file, std::span<const ByteRange> data);
 
 struct ReadOptions {
   IoMethod method = IoMethod::direct;
@@ -231,6 +225,10 @@ class CheckpointReader {
   std::optional<std::uint64_t> seal() const noexcept;
   // Kind, common values, id, and the parameter records as parsed (see params()).
   const CheckpointContents& contents() const noexcept;
+  // What ranks compare to know that they opened the same checkpoint: a hash of the id, the seal's
+  // digest, the file's size, the version, the kind, the records and the common values, so that two
+  // files that share an id (a copy edited by another tool) are never taken for one.
+  std::uint64_t fingerprint() const;
   // The parameter records, each checked against the datasets of its blocks (keys, shapes, one
   // dtype); a contradiction is Errc::not_a_checkpoint naming the record.
   const std::vector<ParamRecord>& params() const;
@@ -271,8 +269,15 @@ struct VerifyReport {
 // `common`, the slab table and the checksum of every row (read from `plain` once). `plain` is not
 // changed. Throws Errc::not_a_checkpoint naming a dataset it cannot adopt, Errc::invalid_argument
 // when the records do not match the datasets, and Errc::io.
-void adopt(const std::filesystem::path& plain, const std::filesystem::path& out, const std::vector<ParamRecord>& records,
-           const std::map<std::string, CommonValue, std::less<>>& common);
+// `out` may not be `plain` itself (the same file through any link) and may not name anything but a
+// regular file; it is written like a save (a temporary file, committed atomically).
+struct AdoptReport {
+  std::int64_t tensors = 0;
+  std::int64_t params = 0;
+  std::int64_t bytes = 0;
+};
+AdoptReport adopt(const std::filesystem::path& plain, const std::filesystem::path& out,
+                  const std::vector<ParamRecord>& records, const std::map<std::string, CommonValue, std::less<>>& common);
 // Parameter records as JSON text (the `params` attribute of docs/format.md), and back; throws
 // Errc::invalid_argument for text that does not hold valid records.
 std::string records_text(const std::vector<ParamRecord>& records);

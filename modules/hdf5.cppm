@@ -67,15 +67,28 @@ class Hid {
 
 Hid owned(hid_t id, Hid::Closer closer, const Where& w, Errc code = Errc::hdf5);
 
+// How the bytes HDF5 reads are checked before HDF5 sees them (a reader's seal, shardckpt.format):
+// read() fills `dst` with the `n` bytes at `address` (zeros past the end of the file) or throws.
+class ReadCheck {
+ public:
+  virtual ~ReadCheck() = default;
+  virtual void read(const io::File& file, std::uint64_t address, void* dst, std::size_t n) const = 0;
+};
+
 // The file HDF5 reads and writes through. Reads that fail make the HDF5 call fail; writes that fail
 // are recorded (failure()) and their metadata bytes kept, so that HDF5 still sees what it wrote.
+// With a ReadCheck, every read HDF5 makes goes through it: bytes that fail the check never reach
+// HDF5's parser.
 class Channel {
  public:
-  explicit Channel(io::File& file) : file_(&file) {}
+  explicit Channel(io::File& file [[clang::lifetimebound]]) : file_(&file) {}
+  Channel(io::File& file [[clang::lifetimebound]], const ReadCheck& check [[clang::lifetimebound]])
+      : file_(&file), check_(&check) {}
   Channel(const Channel&) = delete;
   Channel& operator=(const Channel&) = delete;
 
   io::File& file() const noexcept [[clang::lifetimebound]] { return *file_; }
+  const ReadCheck* read_check() const noexcept { return check_; }
   // The first write error, if any: the caller throws it once HDF5 has closed the file.
   const std::optional<Error>& failure() const noexcept [[clang::lifetimebound]] { return failure_; }
   void throw_if_failed() const;
@@ -90,6 +103,7 @@ class Channel {
 
  private:
   io::File* file_;
+  const ReadCheck* check_ = nullptr;
   std::optional<Error> failure_;
   std::optional<Error> read_failure_;
   std::map<std::uint64_t, std::vector<std::byte>> kept_;  // metadata whose write failed, by address
@@ -98,6 +112,9 @@ class Channel {
 // Creates or opens the HDF5 file of `channel`, with the library's file access properties: the newest
 // file format both HDF5 1.10 and h5py read (HDF5's metadata checksums then cover object headers and
 // links), objects closed with the file, no HDF5 file locks (the save's phases order all access).
+// HDF5 is given a fixed label, never the file's path: it opens nothing by name, and a path of any
+// length or depth is never resolved by it. A file opened read-only gets small metadata caches and no
+// chunk cache (raw data is read past HDF5), so that many open readers stay small.
 Hid create_file(Channel& channel);
 Hid open_file(Channel& channel, bool writable, Errc code);
 // Closes a file opened for writing, then throws the channel's first write failure, if any.
@@ -119,6 +136,9 @@ Hid create_group(hid_t parent, const char* name, const Where& w);
 // Names of the links of a group, in name order.
 std::vector<std::string> link_names(hid_t group, const Where& w);
 bool link_exists(hid_t parent, const char* name, const Where& w);
+// True when `name` (one component) is a hard link of `parent`: soft and external links are never
+// followed (an external link would make HDF5 open another file by name).
+bool hard_link_exists(hid_t parent, const char* name, const Where& w);
 // The object type of a link (H5O_TYPE_GROUP, H5O_TYPE_DATASET...).
 H5O_type_t object_type(hid_t parent, const char* name, const Where& w);
 

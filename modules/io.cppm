@@ -9,6 +9,7 @@ module;
 #include <cstdint>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 export module shardckpt.io;
@@ -22,6 +23,29 @@ struct FileIdentity {
   std::uint64_t device = 0;
   std::uint64_t inode = 0;
   friend bool operator==(const FileIdentity&, const FileIdentity&) = default;
+};
+
+// A file's identity as processes of one job compare it. Device numbers are per machine (the
+// clients of a network file system number its mount each their own way), so a process on another
+// machine (`machine`: this boot of this host) compares the inode alone.
+struct SharedIdentity {
+  FileIdentity file;
+  std::uint64_t machine = 0;
+};
+SharedIdentity shared_identity(const FileIdentity& file);
+bool same_file(const SharedIdentity& a, const SharedIdentity& b) noexcept;
+
+// What a directory entry or an open descriptor is.
+enum class FileKind : std::uint8_t { regular, directory, symlink, fifo, socket, character_device, block_device, other };
+std::string_view file_kind_name(FileKind kind) noexcept;
+
+struct FileStatus {
+  FileKind kind = FileKind::other;
+  FileIdentity identity;
+  std::uint32_t mode = 0;  // permission bits (07777)
+  std::uint32_t owner = 0, group = 0;
+  std::uint64_t links = 0;
+  std::uint64_t size = 0;
 };
 
 class File {
@@ -46,6 +70,11 @@ class File {
   const std::filesystem::path& path() const noexcept [[clang::lifetimebound]] { return path_; }
   FileIdentity identity() const;
   std::uint64_t size() const;
+  FileStatus status() const;
+  // Sets the permission bits (fchmod), and the group where the user may set it (a group the user is
+  // not in is left as it is).
+  void set_mode(std::uint32_t mode);
+  void try_set_group(std::uint32_t group) noexcept;
 
   // All `n` bytes at `offset`. A read that meets the end of the file throws Errc::not_a_checkpoint
   // (the file is shorter than its metadata says); pread_upto returns how many bytes exist instead.
@@ -59,6 +88,8 @@ class File {
   void close();
 
  private:
+  friend class Directory;
+  friend class TemporaryFile;
   File(int fd, std::filesystem::path path) : fd_(fd), path_(std::move(path)) {}
   int fd_ = -1;
   std::filesystem::path path_;
@@ -103,15 +134,115 @@ struct IoStats {
 };
 IoStats io_stats() noexcept;
 
-// Syncs a directory so that entries created or renamed in it are durable.
-void sync_directory(const std::filesystem::path& dir);
-// Renames `from` to `to` (atomically replacing `to`), then syncs the directory of `to`.
-void rename_durably(const std::filesystem::path& from, const std::filesystem::path& to);
-// Removes a file if it exists; never throws.
-void remove_quietly(const std::filesystem::path& path) noexcept;
+// A directory held open: names in it are resolved against its descriptor, so that nobody can
+// swap the directory for another (a link planted at its path) between two uses of it.
+class Directory {
+ public:
+  // Throws Errc::io naming the path (an empty path is the working directory).
+  static Directory open(const std::filesystem::path& dir);
+  Directory() = default;
+  Directory(Directory&& other) noexcept;
+  Directory& operator=(Directory&& other) noexcept;
+  Directory(const Directory&) = delete;
+  Directory& operator=(const Directory&) = delete;
+  ~Directory();
+
+  int descriptor() const noexcept { return fd_; }
+  const std::filesystem::path& path() const noexcept [[clang::lifetimebound]] { return path_; }
+  // `name` in it, for messages.
+  std::filesystem::path operator/(std::string_view name) const { return path_ / std::string(name); }
+  // What `name` is, without following a link on it; nothing when there is no such entry.
+  std::optional<FileStatus> status(std::string_view name) const;
+  // What the directory itself is.
+  FileStatus status() const;
+  // Opens the plain name `name` for reading without following a link on it and without blocking
+  // (a FIFO or a device is not waited on), and accepts only a regular file: anything else is
+  // Error{refusal} naming the file and what it is. A name with a '/' is refused too.
+  File open_regular(std::string_view name, Errc refusal) const;
+  // Flushes the directory's entries (created, renamed) to stable storage.
+  void sync() const;
+
+ private:
+  int fd_ = -1;
+  std::filesystem::path path_;
+};
+
+// True for a name that can only name an entry of the directory it is looked up in: not empty, not
+// "." or "..", without '/' or NUL.
+bool plain_name(std::string_view name) noexcept;
+
+// Where a save puts a file: the path with every link on its last component followed (a save to a
+// link replaces the link's target), that file's directory held open, and its name in it.
+struct Destination {
+  Directory dir;
+  std::string name;
+  std::filesystem::path path;  // the resolved path, for messages
+
+  // Throws Errc::invalid_argument when the path names something a save must not replace (a
+  // directory, FIFO, socket or device), Errc::io when its directory cannot be opened.
+  static Destination of(const std::filesystem::path& path);
+  // The same check against what the name names now.
+  void require_replaceable() const;
+};
+
+// The name pattern of a save's temporary files: `.<name>.<32 hex digits>.partial` beside the file
+// `<name>` being saved. is_temporary_name(n) tells whether a name follows it, temporary_name_for(n)
+// makes a fresh one.
+bool is_temporary_name(std::string_view name) noexcept;
+std::string temporary_name_for(std::string_view name);
+
+// A file a save creates and fills before it replaces its destination: under a fresh unpredictable
+// name in the destination's directory, created exclusively (O_EXCL, no link followed, mode 0600)
+// and checked (fstat) to be a regular file with one link, owned by this user, so that nothing
+// another user planted is ever written through or committed. Until commit() the destination is
+// untouched; a temporary file that is never committed is removed (if its name still names it).
+class TemporaryFile {
+ public:
+  static TemporaryFile create(Destination dest);
+  // Another rank's view of the file that `creator` made: its name opened for writing in `dir`
+  // (without following a link), checked to be the same file (same_file), regular, with one link and
+  // owned by this user. Throws Errc::io otherwise.
+  static File open_created(const std::filesystem::path& dir, std::string_view name, const SharedIdentity& creator);
+
+  TemporaryFile(TemporaryFile&& other) noexcept;
+  TemporaryFile& operator=(TemporaryFile&& other) noexcept;
+  TemporaryFile(const TemporaryFile&) = delete;
+  TemporaryFile& operator=(const TemporaryFile&) = delete;
+  ~TemporaryFile();
+
+  File& file() noexcept [[clang::lifetimebound]] { return file_; }
+  const Destination& destination() const noexcept [[clang::lifetimebound]] { return dest_; }
+  const std::string& name() const noexcept [[clang::lifetimebound]] { return name_; }
+  SharedIdentity identity() const { return shared_identity(identity_); }
+
+  // Gives the file the mode and group of the file it replaces (or new_file_mode() for a new one),
+  // checks that its name still names this file and that the destination is still a regular file or
+  // absent, renames it over the destination and syncs the directory. Throws Errc::io or
+  // invalid_argument, leaving the destination as it was.
+  void commit();
+  // Removes the file, if its name still names it, and closes it; never throws.
+  void discard() noexcept;
+
+ private:
+  TemporaryFile(Destination dest, File file, std::string name, FileIdentity identity)
+      : dest_(std::move(dest)), file_(std::move(file)), name_(std::move(name)), identity_(identity) {}
+  Destination dest_;
+  File file_;
+  std::string name_;
+  FileIdentity identity_;
+  bool pending_ = true;
+};
+
+// The mode a new file gets: 0666 without the bits of this process's umask (read from the kernel;
+// 0600 where it cannot be read).
+std::uint32_t new_file_mode();
+
 // The file a path names once every symlink on its last component is followed: a save to a link
 // replaces the link's target, not the link. Throws Errc::io for a link cycle.
 std::filesystem::path follow_links(const std::filesystem::path& path);
+// Makes sure descriptors 0, 1 and 2 are open (on /dev/null where they are not), so that no file this
+// process opens becomes its standard input, output or error. For programs, before they open anything.
+void ensure_standard_descriptors() noexcept;
 // 128 random bits as 32 hex digits (getrandom): a checkpoint's unique id.
 std::string random_id();
 

@@ -166,6 +166,11 @@ BufferStats buffer_stats() noexcept;
 // For engines: counts an allocation of their own.
 void count_allocation(std::size_t bytes) noexcept;
 
+// The host memory of this machine (physical memory, or less where a resource limit of this process
+// says so), and a check that `bytes` fit in it: Errc::resources naming `what` and both sizes.
+std::uint64_t host_memory_bytes() noexcept;
+void require_host_memory(std::uint64_t bytes, std::string_view what);
+
 // Owns an aligned host allocation of one dtype and shape. Move-only: the only copy is deep_copy().
 class HostBuffer {
  public:

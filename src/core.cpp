@@ -39,6 +39,8 @@ std::string_view errc_name(Errc code) noexcept {
       return "device";
     case Errc::collective:
       return "collective";
+    case Errc::resources:
+      return "resources";
     case Errc::internal:
       return "internal";
   }

@@ -10,6 +10,7 @@ module;
 #include <map>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <set>
 #include <span>
@@ -124,6 +125,10 @@ Bytes outcome(const std::function<Bytes()>& step) {
     return w.take();
   } catch (const Error& e) {
     return failure(e.code(), e.what());
+  } catch (const std::bad_alloc& e) {
+    return failure(Errc::resources, cat("out of memory (", e.what(), ")"));
+  } catch (const std::system_error& e) {
+    return failure(e.code() == std::errc::resource_unavailable_try_again ? Errc::resources : Errc::internal, e.what());
   } catch (const std::exception& e) {
     return failure(Errc::internal, e.what());
   }
@@ -677,15 +682,36 @@ Bytes planning_payload(const SavePlan& plan, int me) {
   return w.take();
 }
 
-// Where a save writes: the link-followed target and its partial file; and on rank 0 the raw data
-// ranges of the skeleton, which the seal leaves out.
+// Where a save writes. Rank 0 creates the temporary file (and later commits it); every rank learns
+// its directory, its name and its identity, opens it and checks that it opened that very file.
 struct Destination {
-  fs::path target, partial;
-  std::vector<ByteRange> data;
+  std::optional<io::TemporaryFile> temp;  // rank 0
+  std::optional<io::File> opened;         // the other ranks
+  fs::path dir;
+  std::string name;
+  io::SharedIdentity identity;
+  std::vector<ByteRange> data;  // rank 0: the skeleton's raw data ranges, which the seal leaves out
+
+  io::File& file() { return temp ? temp->file() : *opened; }
 };
 
-// Rank 0's verdict on every rank's plan: validated together, the skeleton created, and for every rank
-// the datasets' extents and where its checksums start.
+void put_identity(Writer& w, const io::SharedIdentity& id) {
+  w.i64(static_cast<std::int64_t>(id.file.device));
+  w.i64(static_cast<std::int64_t>(id.file.inode));
+  w.i64(static_cast<std::int64_t>(id.machine));
+}
+
+io::SharedIdentity get_identity(Reader& r) {
+  io::SharedIdentity id;
+  id.file.device = static_cast<std::uint64_t>(r.i64());
+  id.file.inode = static_cast<std::uint64_t>(r.i64());
+  id.machine = static_cast<std::uint64_t>(r.i64());
+  return id;
+}
+
+// Rank 0's verdict on every rank's plan: validated together, the skeleton created in a fresh
+// temporary file beside the destination (a link at `path` is followed: the checkpoint replaces its
+// target), and for every rank that file, the datasets' extents and where its checksums start.
 Bytes create_checkpoint(const std::vector<std::span<const std::byte>>& payloads, const fs::path& path,
                         const SaveOptions& options, Destination& dest) {
   CheckpointContents contents;
@@ -693,13 +719,15 @@ Bytes create_checkpoint(const std::vector<std::span<const std::byte>>& payloads,
   contents.checksummed = options.checksums;
   Planned planned = validate_in_parts(payloads, contents);
   if (!options.checksums) planned.units = 0;
-  // A link is followed: the checkpoint replaces its target, in the target's directory.
-  dest.target = io::follow_links(path);
-  dest.partial = partial_path(dest.target);
-  const Skeleton skeleton = create_skeleton(dest.partial, planned.specs, contents, planned.units);
+  io::Destination where = io::Destination::of(path);
+  dest.dir = where.path.parent_path();
+  dest.temp.emplace(io::TemporaryFile::create(std::move(where)));
+  const Skeleton skeleton = create_skeleton(dest.temp->file(), planned.specs, contents, planned.units);
   dest.data = skeleton.data;
   Writer w;
-  w.str(dest.target.string());
+  w.str(dest.dir.string());
+  w.str(dest.temp->name());
+  put_identity(w, dest.temp->identity());
   w.i64(static_cast<std::int64_t>(skeleton.datasets.size()));
   for (const DatasetInfo& d : skeleton.datasets) put_dataset(w, d);
   w.i64(static_cast<std::int64_t>(skeleton.checksums_address));
@@ -707,18 +735,27 @@ Bytes create_checkpoint(const std::vector<std::span<const std::byte>>& payloads,
   return w.take();
 }
 
-// What every rank learns from the verdict: the datasets, and its checksum slot (none without checksums).
+// What every rank learns from the verdict: the datasets it writes, and its checksum slot (none
+// without checksums).
 struct Created {
   std::vector<DatasetInfo> datasets;
   std::optional<ChecksumSlot> slot;
 };
 
-Created read_verdict(const Bytes& verdict, int me, int ranks, Destination& dest) {
+Created read_verdict(const Bytes& verdict, const SavePlan& plan, int me, int ranks, Destination& dest) {
   Reader r(verdict);
-  dest.target = r.str();
-  dest.partial = partial_path(dest.target);
+  dest.dir = r.str();
+  dest.name = r.str();
+  dest.identity = get_identity(r);
+  // Only the datasets this rank writes: what a rank holds grows with its own pieces, not the model.
+  std::set<std::string_view> mine;
+  for (const SaveItem& i : plan.items)
+    if (i.writes) mine.insert(i.key);
   Created out;
-  for (std::int64_t n = r.i64(); n > 0; --n) out.datasets.push_back(get_dataset(r));
+  for (std::int64_t n = r.i64(); n > 0; --n) {
+    DatasetInfo d = get_dataset(r);
+    if (mine.contains(d.key)) out.datasets.push_back(std::move(d));
+  }
   const auto checksums_address = static_cast<std::uint64_t>(r.i64());
   const std::vector<std::int64_t> first_units = r.dims();
   require(first_units.empty() || first_units.size() == static_cast<std::size_t>(ranks), Errc::collective,
@@ -729,11 +766,14 @@ Created read_verdict(const Bytes& verdict, int me, int ranks, Destination& dest)
 
 // Every rank writes its own pieces and their checksums: all at once on the direct path; on the
 // hyperslab path one rank at a time, since HDF5 must not have one file open for writing in two
-// processes.
-void write_pieces(ProcessGroup& group, const SavePlan& plan, const Created& created, const fs::path& partial,
+// processes. Each rank first opens the temporary file rank 0 created and checks that it is that file.
+void write_pieces(ProcessGroup& group, const SavePlan& plan, const Created& created, Destination& dest,
                   const SaveOptions& options) {
+  agree(group, "opening the temporary file", [&] {
+    if (!dest.temp) dest.opened.emplace(io::TemporaryFile::open_created(dest.dir, dest.name, dest.identity));
+  });
   const auto write_mine = [&] {
-    PieceWriter writer(partial, options.method, created.slot, options.progress);
+    PieceWriter writer(dest.file(), options.method, created.slot, options.progress);
     write_items(plan, created.datasets, writer, options.staging);
     writer.finish();
   };
@@ -768,28 +808,29 @@ void save_with(const std::function<SavePlan()>& make_plan, const fs::path& path,
         [&](const std::vector<std::span<const std::byte>>& payloads) {
           return create_checkpoint(payloads, path, options, dest);
         });
-    const Created created = read_verdict(verdict, me, group.size(), dest);
+    const Created created = read_verdict(verdict, plan, me, group.size(), dest);
     // 2. Every rank writes and syncs its pieces.
     phase(SavePhase::writing);
-    write_pieces(group, plan, created, dest.partial, options);
+    write_pieces(group, plan, created, dest, options);
     // 3. Only when every rank has written and synced its pieces does rank 0 seal and commit.
     phase(SavePhase::committing);
     agree(group, "committing the checkpoint", [&] {
-      if (me == 0) {
-        mark_complete(dest.partial, dest.data);
-        commit(dest.partial, dest.target);
+      if (dest.opened) dest.opened->close();
+      if (dest.temp) {
+        mark_complete(dest.temp->file(), dest.data);
+        dest.temp->commit();
       }
     });
     phase(SavePhase::committed);
   } catch (Error& e) {
-    // Nothing was committed; whatever rank 0 had created goes.
-    if (me == 0 && !dest.partial.empty()) discard(dest.partial);
+    // Nothing was committed; the temporary file rank 0 created goes.
+    if (dest.temp) dest.temp->discard();
     throw std::move(e.add_context(cat("saving ", path.string())));
   }
 }
 
-// Opens the checkpoint at `path` on every rank, the same one on all. Rank 0 checks the seal of the
-// file's metadata; the others then only that they opened the file it checked, so that the whole
+// Opens the checkpoint at `path` on every rank. Rank 0 checks the whole seal of the file's
+// metadata; the others then only that their file has the seal rank 0 checked, so that the whole
 // metadata is read once, not once per rank.
 CheckpointReader open_agreed(const fs::path& path, ProcessGroup& group) {
   std::optional<CheckpointReader> reader;
@@ -808,15 +849,21 @@ CheckpointReader open_agreed(const fs::path& path, ProcessGroup& group) {
   agree(group, cat("opening ", path.string()), [&] {
     if (group.rank() != 0) reader.emplace(path, OpenOptions{.trusted_seal = seal});
   });
-  // Every rank opened the path on its own: they must all have opened the same checkpoint.
-  const std::string& id = reader->contents().id;
-  const std::vector<Bytes> ids = Protocol::all_gather(group, std::as_bytes(std::span(id.data(), id.size())));
-  for (std::size_t r = 0; r < ids.size(); ++r) {
-    const std::string_view other(reinterpret_cast<const char*>(ids[r].data()), ids[r].size());
-    require(other == id, Errc::replaced, "loading ", path.string(), ": rank ", group.rank(), " opened checkpoint ", id,
-            " but rank ", r, " opened ", other, ": the path was replaced while the ranks opened it");
-  }
   return std::move(*reader);
+}
+
+// Every rank opened the checkpoint on its own (or was given one reader): they must all have opened
+// the same one, in content as well as in name.
+void agree_on_checkpoint(const CheckpointReader& reader, ProcessGroup& group) {
+  const std::uint64_t mine = reader.fingerprint();
+  const std::vector<Bytes> all = Protocol::all_gather(group, std::as_bytes(std::span(&mine, 1)));
+  for (std::size_t r = 0; r < all.size(); ++r) {
+    std::uint64_t theirs = 0;
+    if (all[r].size() == sizeof theirs) std::memcpy(&theirs, all[r].data(), sizeof theirs);
+    require(theirs == mine, Errc::replaced, "loading ", reader.path().string(), ": rank ", group.rank(),
+            " opened checkpoint ", reader.contents().id, " but rank ", r,
+            " opened another one (the path was replaced while the ranks opened it, or another tool changed a copy)");
+  }
 }
 
 // Whether the data-parallel copies of this rank's shards can share their reads: the group must be
@@ -851,14 +898,14 @@ void save(const StateDict& state, const fs::path& path, SaveOptions options) {
   save(state, path, solo, options);
 }
 
-Values load_into(const fs::path& path, const StateDict& state, ProcessGroup& group, LoadOptions options,
+Values load_into(const CheckpointReader& reader, const StateDict& state, ProcessGroup& group, LoadOptions options,
                  ProcessGroup* replicas) {
-  const CheckpointReader reader = open_agreed(path, group);
+  agree(group, cat("loading ", reader.path().string()), [&] { agree_on_checkpoint(reader, group); });
   if (group.rank() == 0) notice_unchecked(reader, options);
   const std::vector<ReplicaRows> shared = replica_rows(state);
   options.read_own_share = replicas != nullptr && replicas->size() > 1 && !shared.empty() && can_share(*replicas, shared);
   std::optional<Values> out;
-  agree(group, cat("loading ", path.string()), [&] {
+  agree(group, cat("loading ", reader.path().string()), [&] {
     if (options.read_own_share) check_replicas(state, *replicas);
     out.emplace(load_into(reader, state, options));
   });
@@ -866,6 +913,19 @@ Values load_into(const fs::path& path, const StateDict& state, ProcessGroup& gro
   if (options.read_own_share)
     for (const ReplicaRows& r : shared) replicas->all_gather_rows(r.rows, r.counts);
   return std::move(*out);
+}
+
+Values load_into(const fs::path& path, const StateDict& state, ProcessGroup& group, LoadOptions options,
+                 ProcessGroup* replicas) {
+  const CheckpointReader reader = open_agreed(path, group);
+  return load_into(reader, state, group, std::move(options), replicas);
+}
+
+LoadedState load(const CheckpointReader& reader, const StateDict& request, ProcessGroup& group, LoadOptions options,
+                 ProcessGroup* replicas) {
+  Allocated a = allocate_destinations(request);
+  Values values = load_into(reader, a.state, group, std::move(options), replicas);
+  return LoadedState(std::move(a.buffers), std::move(values));
 }
 
 LoadedState load(const fs::path& path, const StateDict& request, ProcessGroup& group, LoadOptions options,

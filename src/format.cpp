@@ -21,6 +21,7 @@ module;
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -250,16 +251,10 @@ Box box_of(const DatasetInfo& d, std::span<const std::int64_t> offset, std::span
   return footprint(d.key, d.shape, offset, count);
 }
 
-// A file name HDF5 resolves in the checkpoint's own directory: no directories, no way out of it.
-bool plain_file_name(std::string_view name) {
-  return !name.empty() && name != "." && name != ".." && name.find('/') == std::string_view::npos &&
-         name.find('\0') == std::string_view::npos;
-}
-
 Hid create_dataset(hid_t file, const DatasetSpec& d, const Where& w) {
   Hid dcpl = owned(H5Pcreate(H5P_DATASET_CREATE), H5Pclose, w);
   if (d.external) {
-    require(plain_file_name(d.external->file), Errc::invalid_argument, "dataset ", d.key, ": external file '",
+    require(io::plain_name(d.external->file), Errc::invalid_argument, "dataset ", d.key, ": external file '",
             d.external->file, "' is not a plain file name");
     const auto bytes = static_cast<hsize_t>(element_count(d.shape)) * dtype_size(d.dtype);
     check(H5Pset_external(dcpl.get(), d.external->file.c_str(), static_cast<off_t>(d.external->offset), bytes), w);
@@ -280,19 +275,41 @@ Hid create_dataset(hid_t file, const DatasetSpec& d, const Where& w) {
                H5Dclose, w);
 }
 
-// ---- the seal: a checksum of the HDF5 metadata, checked before HDF5 reads any of it -----------------
+// ---- the seal: checksums of the HDF5 metadata, checked before HDF5 reads any of it ------------------
+//
+// The trailer past HDF5's end of the file: the metadata ranges, the page table (for every 4 KiB page
+// of the file that holds metadata, the XXH3-64 of its metadata bytes in file order), then the tail,
+// last. The seal's digest is the XXH3-64 of the ranges and the page table: what ranks agree on. A
+// reader that trusts nothing checks every page once when it opens the file; afterwards every read
+// HDF5 makes is checked again against the page table before HDF5 sees its bytes, so that a file
+// changed in place under a reader is an error, never bytes HDF5 parses unchecked. Files sealed by
+// shardckpt 0.2 (one hash over all metadata, magic "SHCKSEAL") are checked once, at open.
 
-// The trailer past HDF5's end of the file: the metadata ranges, then this tail, last.
-struct SealTail {
-  std::uint64_t regions = 0;      // ByteRanges before the tail
+struct SealTail {  // "SHCKSEL2"
+  std::uint64_t regions = 0;      // ByteRanges after the sealed bytes
+  std::uint64_t pages = 0;        // PageHashes after the ranges
   std::uint64_t sealed_size = 0;  // the file's size without the trailer
+  std::uint64_t digest = 0;       // XXH3-64 of the ranges and the page table
+  std::uint64_t trailer_bytes = 0;
+  std::uint64_t magic = 0;
+};
+struct OldSealTail {  // "SHCKSEAL"
+  std::uint64_t regions = 0;
+  std::uint64_t sealed_size = 0;
   std::uint64_t metadata_hash = 0;
   std::uint64_t regions_hash = 0;
   std::uint64_t trailer_bytes = 0;
   std::uint64_t magic = 0;
 };
-constexpr std::uint64_t seal_magic = 0x4c4145534b434853;  // "SHCKSEAL"
-static_assert(sizeof(SealTail) == 48 && sizeof(ByteRange) == 16);
+struct PageHash {
+  std::uint64_t page = 0;
+  std::uint64_t hash = 0;
+};
+constexpr std::uint64_t seal_magic = 0x324c45534b434853;      // "SHCKSEL2"
+constexpr std::uint64_t old_seal_magic = 0x4c4145534b434853;  // "SHCKSEAL"
+constexpr std::uint64_t seal_page = 4096;
+static_assert(sizeof(SealTail) == 48 && sizeof(OldSealTail) == 48 && sizeof(ByteRange) == 16 &&
+              sizeof(PageHash) == 16);
 
 // The ranges of [0, size) that are not in `data`: what HDF5 wrote.
 std::vector<ByteRange> metadata_ranges(std::span<const ByteRange> data, std::uint64_t size) {
@@ -323,50 +340,200 @@ std::uint64_t hash_ranges(const io::File& file, std::span<const ByteRange> range
   return XXH3_64bits_digest(&state);
 }
 
+// The page table of the metadata `regions` (sorted, disjoint) as the file holds them now.
+std::vector<PageHash> page_hashes(const io::File& file, std::span<const ByteRange> regions) {
+  std::vector<PageHash> out;
+  XXH3_state_t state;
+  std::optional<std::uint64_t> page;
+  const auto close_page = [&] {
+    if (page) out.push_back({*page, XXH3_64bits_digest(&state)});
+  };
+  std::vector<std::byte> buffer(static_cast<std::size_t>(batch_bytes));
+  for (const ByteRange& r : regions)
+    for (std::uint64_t done = 0; done < r.length;) {
+      const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(r.length - done, buffer.size()));
+      file.pread_all(buffer.data(), n, r.offset + done);
+      for (std::size_t i = 0; i < n;) {
+        const std::uint64_t at = r.offset + done + i, p = at / seal_page;
+        const auto take = static_cast<std::size_t>(std::min<std::uint64_t>(n - i, (p + 1) * seal_page - at));
+        if (page != p) {
+          close_page();
+          page = p;
+          XXH3_64bits_reset(&state);
+        }
+        XXH3_64bits_update(&state, buffer.data() + i, take);
+        i += take;
+      }
+      done += n;
+    }
+  close_page();
+  return out;
+}
+
+std::uint64_t seal_digest(std::span<const ByteRange> regions, std::span<const PageHash> pages) {
+  XXH3_state_t state;
+  XXH3_64bits_reset(&state);
+  XXH3_64bits_update(&state, regions.data(), regions.size_bytes());
+  XXH3_64bits_update(&state, pages.data(), pages.size_bytes());
+  return XXH3_64bits_digest(&state);
+}
+
 void write_seal(io::File& file, std::span<const ByteRange> data) {
   const std::uint64_t size = file.size();
   const std::vector<ByteRange> regions = metadata_ranges(data, size);
-  const auto list_bytes = regions.size() * sizeof(ByteRange);
-  const SealTail tail{regions.size(), size, hash_ranges(file, regions), row_hash(regions.data(), list_bytes),
-                      list_bytes + sizeof(SealTail), seal_magic};
+  const std::vector<PageHash> pages = page_hashes(file, regions);
+  const std::uint64_t list_bytes = regions.size() * sizeof(ByteRange), table_bytes = pages.size() * sizeof(PageHash);
+  const SealTail tail{regions.size(),       pages.size(), size, seal_digest(regions, pages),
+                      list_bytes + table_bytes + sizeof(SealTail), seal_magic};
   file.pwrite_all(regions.data(), list_bytes, size);
-  file.pwrite_all(&tail, sizeof tail, size + list_bytes);
+  file.pwrite_all(pages.data(), table_bytes, size + list_bytes);
+  file.pwrite_all(&tail, sizeof tail, size + list_bytes + table_bytes);
 }
 
-// The file's seal, checked: its metadata hash, or nothing for an unsealed file. With `trusted`,
-// only compares the tail's hash to it (another rank checked the rest of this very file).
-std::optional<std::uint64_t> check_seal(const io::File& file, std::optional<std::uint64_t> trusted) {
+}  // namespace
+
+// The seal of an open checkpoint: the metadata ranges and the page table, which every read HDF5
+// makes of the file is checked against (hdf5::ReadCheck). Reads outside the metadata (raw data,
+// which row checksums cover) pass unchecked.
+class SealedMetadata final : public hdf5::ReadCheck {
+ public:
+  SealedMetadata(std::vector<ByteRange> regions, std::vector<PageHash> pages)
+      : regions_(std::move(regions)), pages_(std::move(pages)) {}
+
+  void read(const io::File& file, std::uint64_t address, void* dst, std::size_t n) const override {
+    auto* out = static_cast<std::byte*>(dst);
+    const std::uint64_t end = address + n;
+    std::uint64_t at = address;
+    auto page = std::lower_bound(pages_.begin(), pages_.end(), at / seal_page,
+                                 [](const PageHash& p, std::uint64_t i) { return p.page < i; });
+    while (at < end) {
+      if (page == pages_.end() || page->page > at / seal_page) {  // raw data up to the next metadata page
+        const std::uint64_t to = page == pages_.end() ? end : std::min(end, page->page * seal_page);
+        const auto want = static_cast<std::size_t>(to - at);
+        const std::size_t got = file.pread_upto(out + (at - address), want, at);
+        std::memset(out + (at - address) + got, 0, want - got);
+        at = to;
+        continue;
+      }
+      std::byte bytes[seal_page];
+      const std::uint64_t first = page->page * seal_page;
+      const std::size_t got = file.pread_upto(bytes, seal_page, first);
+      std::memset(bytes + got, 0, seal_page - got);
+      if (hash_of_page(first, bytes) != page->hash)
+        throw Error(Errc::corrupt, cat(file.path().string(), ": its metadata at byte ", first,
+                                       " changed after it was sealed (the file was modified in place)"));
+      const std::uint64_t to = std::min(end, first + seal_page);
+      std::memcpy(out + (at - address), bytes + (at - first), static_cast<std::size_t>(to - at));
+      at = to;
+      ++page;
+    }
+  }
+
+ private:
+  // The hash of the metadata bytes of the page at `first`, whose bytes are `bytes`.
+  std::uint64_t hash_of_page(std::uint64_t first, const std::byte* bytes) const {
+    XXH3_state_t state;
+    XXH3_64bits_reset(&state);
+    auto r = std::upper_bound(regions_.begin(), regions_.end(), first,
+                              [](std::uint64_t at, const ByteRange& x) { return at < x.offset; });
+    if (r != regions_.begin()) --r;
+    for (; r != regions_.end() && r->offset < first + seal_page; ++r) {
+      const std::uint64_t lo = std::max(r->offset, first), hi = std::min(r->offset + r->length, first + seal_page);
+      if (lo < hi) XXH3_64bits_update(&state, bytes + (lo - first), static_cast<std::size_t>(hi - lo));
+    }
+    return XXH3_64bits_digest(&state);
+  }
+
+  std::vector<ByteRange> regions_;
+  std::vector<PageHash> pages_;
+};
+
+namespace {
+
+// What check_seal found: the digest ranks agree on, and (a current seal) the metadata every later
+// HDF5 read is checked against.
+struct Seal {
+  std::uint64_t digest = 0;
+  std::unique_ptr<SealedMetadata> pages;
+};
+
+[[noreturn]] void damaged(const io::File& file, std::string_view why) {
+  throw Error(Errc::corrupt, cat(file.path().string(), ": its metadata differs from what was saved (", why, ")"));
+}
+
+std::vector<ByteRange> checked_regions(const io::File& file, std::uint64_t count, std::uint64_t at,
+                                       std::uint64_t sealed_size) {
+  std::vector<ByteRange> regions(static_cast<std::size_t>(count));
+  file.pread_all(regions.data(), regions.size() * sizeof(ByteRange), at);
+  std::uint64_t end = 0;
+  for (const ByteRange& r : regions) {
+    if (r.offset < end || r.offset > sealed_size || r.length > sealed_size - r.offset)
+      damaged(file, "its seal lists ranges that overlap or leave the file");
+    end = r.offset + r.length;
+  }
+  return regions;
+}
+
+std::optional<Seal> check_old_seal(const io::File& file, const OldSealTail& tail, std::uint64_t size,
+                                   std::optional<std::uint64_t> trusted) {
+  if (tail.regions > size / sizeof(ByteRange) || tail.trailer_bytes != tail.regions * sizeof(ByteRange) + sizeof tail ||
+      tail.trailer_bytes > size || tail.sealed_size != size - tail.trailer_bytes)
+    damaged(file, "its seal does not describe the file");
+  if (trusted) {
+    if (*trusted != tail.metadata_hash)
+      throw Error(Errc::replaced, cat(file.path().string(), " is not the checkpoint another rank opened"));
+    return Seal{tail.metadata_hash, nullptr};
+  }
+  std::vector<ByteRange> regions(static_cast<std::size_t>(tail.regions));
+  file.pread_all(regions.data(), regions.size() * sizeof(ByteRange), tail.sealed_size);
+  if (row_hash(regions.data(), regions.size() * sizeof(ByteRange)) != tail.regions_hash)
+    damaged(file, "its seal is damaged");
+  (void)checked_regions(file, tail.regions, tail.sealed_size, tail.sealed_size);
+  if (hash_ranges(file, regions) != tail.metadata_hash) damaged(file, "the seal does not match");
+  return Seal{tail.metadata_hash, nullptr};
+}
+
+// The file's seal, checked, or nothing for an unsealed file. With `trusted` (the digest another rank
+// checked the whole seal of), only that this file's page table is the one with that digest.
+std::optional<Seal> check_seal(const io::File& file, std::optional<std::uint64_t> trusted) {
   const std::uint64_t size = file.size();
   SealTail tail;
   if (size < sizeof tail) return std::nullopt;
   file.pread_all(&tail, sizeof tail, size - sizeof tail);
-  const auto damaged = [&](std::string_view why) {
-    throw Error(Errc::corrupt, cat(file.path().string(), ": its metadata differs from what was saved (", why, ")"));
-  };
+  if (tail.magic == old_seal_magic) {
+    OldSealTail old;
+    std::memcpy(&old, &tail, sizeof old);
+    return check_old_seal(file, old, size, trusted);
+  }
   if (tail.magic != seal_magic) {
     if (trusted.value_or(0) != 0)
       throw Error(Errc::replaced, cat(file.path().string(), " is not the sealed checkpoint another rank opened"));
     return std::nullopt;
   }
-  if (tail.regions > size / sizeof(ByteRange) || tail.trailer_bytes != tail.regions * sizeof(ByteRange) + sizeof tail ||
+  const std::uint64_t most = size / sizeof(ByteRange);
+  if (tail.regions > most || tail.pages > most ||
+      tail.trailer_bytes != (tail.regions + tail.pages) * sizeof(ByteRange) + sizeof tail ||
       tail.trailer_bytes > size || tail.sealed_size != size - tail.trailer_bytes)
-    damaged("its seal does not describe the file");
-  if (trusted) {
-    if (*trusted != tail.metadata_hash)
-      throw Error(Errc::replaced, cat(file.path().string(), " is not the checkpoint another rank opened"));
-    return tail.metadata_hash;
+    damaged(file, "its seal does not describe the file");
+  std::vector<ByteRange> regions = checked_regions(file, tail.regions, tail.sealed_size, tail.sealed_size);
+  std::vector<PageHash> pages(static_cast<std::size_t>(tail.pages));
+  file.pread_all(pages.data(), pages.size() * sizeof(PageHash), tail.sealed_size + regions.size() * sizeof(ByteRange));
+  const std::uint64_t digest = seal_digest(regions, pages);
+  if (digest != tail.digest) damaged(file, "its seal is damaged");
+  if (trusted && *trusted != digest)
+    throw Error(Errc::replaced, cat(file.path().string(), " is not the checkpoint another rank opened"));
+  if (!trusted) {
+    const std::vector<PageHash> now = page_hashes(file, regions);
+    if (now.size() != pages.size() ||
+        !std::equal(now.begin(), now.end(), pages.begin(),
+                    [](const PageHash& a, const PageHash& b) { return a.page == b.page && a.hash == b.hash; }))
+      damaged(file, "the seal does not match");
+  } else {
+    for (std::size_t i = 0; i < pages.size(); ++i)
+      if ((i > 0 && pages[i].page <= pages[i - 1].page) || pages[i].page > tail.sealed_size / seal_page)
+        damaged(file, "its seal's page table is not in order");
   }
-  std::vector<ByteRange> regions(static_cast<std::size_t>(tail.regions));
-  file.pread_all(regions.data(), regions.size() * sizeof(ByteRange), tail.sealed_size);
-  if (row_hash(regions.data(), regions.size() * sizeof(ByteRange)) != tail.regions_hash) damaged("its seal is damaged");
-  std::uint64_t at = 0;
-  for (const ByteRange& r : regions) {
-    if (r.offset < at || r.offset > tail.sealed_size || r.length > tail.sealed_size - r.offset)
-      damaged("its seal lists ranges that overlap or leave the file");
-    at = r.offset + r.length;
-  }
-  if (hash_ranges(file, regions) != tail.metadata_hash) damaged("the seal does not match");
-  return tail.metadata_hash;
+  return Seal{digest, std::make_unique<SealedMetadata>(std::move(regions), std::move(pages))};
 }
 
 }  // namespace
@@ -427,15 +594,13 @@ std::vector<DatasetSpec> datasets_of(std::span<const Claim> claims, std::span<co
   return out;
 }
 
-fs::path partial_path(const fs::path& path) { return fs::path(path.string() + ".partial"); }
-
 // ---- the writer side ----------------------------------------------------------------------------------
 
-Skeleton create_skeleton(const fs::path& partial, std::span<const DatasetSpec> datasets,
-                         const CheckpointContents& contents, std::int64_t units) {
+Skeleton create_skeleton(io::File& f, std::span<const DatasetSpec> datasets, const CheckpointContents& contents,
+                         std::int64_t units) {
   require(units >= 0 && (contents.checksummed || units == 0), Errc::internal, "a checksum count of ", units);
+  const fs::path& partial = f.path();
   const Where w{partial, "", "create the checkpoint"};
-  io::File f = io::File::create(partial);
   hdf5::Channel channel(f);
   Skeleton out;
   {
@@ -497,15 +662,15 @@ Skeleton create_skeleton(const fs::path& partial, std::span<const DatasetSpec> d
     hdf5::close_written(file, channel, "create the checkpoint");
   }
   f.sync();
-  f.close();
   return out;
 }
 
 struct PieceWriter::Impl {
+  explicit Impl(io::File& f) : file(f) {}
   fs::path path;
   IoMethod method = IoMethod::direct;
   std::optional<ChecksumSlot> checksums;
-  io::File file;
+  io::File& file;
   std::unique_ptr<hdf5::Channel> channel;  // hyperslab path
   Hid h5;                                  // hyperslab path
   std::map<std::string, Hid, std::less<>> sets;
@@ -519,19 +684,14 @@ struct PieceWriter::Impl {
   }
 };
 
-PieceWriter::PieceWriter(const fs::path& partial, IoMethod method, std::optional<ChecksumSlot> checksums,
-                         BytesDone progress)
-    : impl_(std::make_unique<Impl>()) {
+PieceWriter::PieceWriter(io::File& file, IoMethod method, std::optional<ChecksumSlot> checksums, BytesDone progress)
+    : impl_(std::make_unique<Impl>(file)) {
   Impl& m = *impl_;
-  m.path = partial;
+  m.path = file.path();
   m.method = method;
   m.checksums = checksums;
   m.progress = std::move(progress);
-  if (method == IoMethod::direct) {
-    m.file = io::File::open_write(partial);
-    return;
-  }
-  m.file = io::File::open_update(partial);
+  if (method == IoMethod::direct) return;
   m.channel = std::make_unique<hdf5::Channel>(m.file);
   m.h5 = hdf5::open_file(*m.channel, true, Errc::hdf5);
 }
@@ -603,12 +763,10 @@ void PieceWriter::finish() {
     hdf5::close_written(m.h5, *m.channel, "write pieces");
   }
   m.file.sync();
-  m.file.close();
 }
 
-void mark_complete(const fs::path& partial, std::span<const ByteRange> data) {
-  const Where w{partial, "", "mark the checkpoint complete"};
-  io::File f = io::File::open_update(partial);
+void mark_complete(io::File& f, std::span<const ByteRange> data) {
+  const Where w{f.path(), "", "mark the checkpoint complete"};
   hdf5::Channel channel(f);
   {
     Hid file = hdf5::open_file(channel, true, Errc::hdf5);
@@ -619,32 +777,106 @@ void mark_complete(const fs::path& partial, std::span<const ByteRange> data) {
   }
   write_seal(f, data);
   f.sync();
-  f.close();
 }
 
-void commit(const fs::path& partial, const fs::path& path) { io::rename_durably(partial, path); }
+namespace {
 
-void discard(const fs::path& partial) noexcept { io::remove_quietly(partial); }
+// Checks parameter records against the datasets they name: every block a dataset of the block's
+// shape, no dataset named twice, one dtype per parameter. `find(key)` gives a dataset (or throws);
+// `bad(record, why)` throws for a contradiction.
+template <class Find, class Bad>
+void check_records(const std::vector<ParamRecord>& records, Find&& find, Bad&& bad) {
+  std::set<std::string> covered;
+  for (const ParamRecord& r : records) {
+    std::optional<DType> dtype;
+    for (const Section& b : r.blocks) {
+      const std::string key = block_key(r.key, b.name);
+      if (!covered.insert(key).second) bad(r, cat("names dataset ", key, ", which another record names too"));
+      const DatasetInfo* d = nullptr;
+      try {
+        d = &find(key);
+      } catch (const Error& e) {
+        bad(r, cat("names dataset ", key, ": ", e.what()));
+      }
+      std::vector<std::int64_t> want{b.rows};
+      want.insert(want.end(), r.trailing.begin(), r.trailing.end());
+      if (d->shape != want)
+        bad(r, cat("says block ", key, " has shape ", dims_text(want), " but the dataset has ", dims_text(d->shape)));
+      if (dtype && *dtype != d->dtype) bad(r, "has blocks of different dtypes");
+      dtype = d->dtype;
+    }
+  }
+}
+
+}  // namespace
 
 // ---- the reader ---------------------------------------------------------------------------------------
 
+namespace {
+
+// Whether every element of a dataset has stored bytes: a contiguous dataset its whole storage, a
+// chunked one every chunk of its grid (HDF5 reads a missing chunk, or unallocated contiguous
+// storage, as the fill value without an error).
+bool fully_stored(hid_t set, hid_t dcpl, const Where& w) {
+  const Errc no = Errc::not_a_checkpoint;
+  const std::vector<std::int64_t> shape = hdf5::shape_of(set, w, no);
+  if (element_count(shape) == 0) return true;
+  switch (H5Pget_layout(dcpl)) {
+    case H5D_COMPACT:
+      return true;
+    case H5D_CONTIGUOUS: {
+      Hid type = owned(H5Dget_type(set), H5Tclose, w, no);
+      const auto want = static_cast<hsize_t>(element_count(shape)) * H5Tget_size(type.get());
+      return H5Dget_storage_size(set) >= want;
+    }
+    case H5D_CHUNKED: {
+      std::vector<hsize_t> chunk(shape.size());
+      if (H5Pget_chunk(dcpl, static_cast<int>(chunk.size()), chunk.data()) != static_cast<int>(chunk.size())) break;
+      std::int64_t want = 1;
+      for (std::size_t d = 0; d < shape.size(); ++d) {
+        if (chunk[d] == 0) return false;
+        const auto c = static_cast<std::int64_t>(chunk[d]);
+        want = checked_mul(want, (shape[d] + c - 1) / c, "chunks of a dataset", no);
+      }
+      hsize_t have = 0;
+      Hid space = owned(H5Dget_space(set), H5Sclose, w, no);
+      if (H5Dget_num_chunks(set, space.get(), &have) < 0) break;
+      return static_cast<std::int64_t>(have) == want;
+    }
+    default:
+      break;
+  }
+  H5Eclear2(H5E_DEFAULT);
+  return false;
+}
+
+}  // namespace
+
 struct CheckpointReader::Impl {
+  // A file beside the checkpoint that holds a dataset's bytes (HDF5 external storage), opened by the
+  // reader itself: HDF5 never opens it by name.
+  struct External {
+    io::File file;
+    std::optional<io::BulkReader> bulk;
+  };
   struct Entry {
-    bool read = false;
     std::optional<DatasetInfo> info;
-    std::string skipped;  // why it is not a tensor
+    std::string skipped;                  // why it is not a tensor
+    std::optional<std::string> external;  // the file beside the checkpoint that holds its bytes
+    std::uint64_t external_offset = 0;
     std::optional<std::vector<Extent>> extents;
     std::optional<std::vector<Slab>> slabs;  // sorted by first row
     std::vector<std::int64_t> slab_reach;    // running maximum of the slabs' end rows
   };
 
   fs::path path;
+  io::Directory dir;  // the checkpoint's directory, where external files are opened
   io::File file;
   // Bulk reads of `file` through the page cache, and (opened on first use, under the mutex) around it.
   std::optional<io::BulkReader> cached, uncached;
+  std::unique_ptr<SealedMetadata> sealed;  // checks every read HDF5 makes (a current seal)
   std::unique_ptr<hdf5::Channel> channel;
   Hid h5;
-  Hid access;     // how datasets open: external files are found next to the checkpoint
   Hid checksums;  // the checksum table (version 2)
   int version = 0;
   bool checksummed = false;
@@ -654,8 +886,9 @@ struct CheckpointReader::Impl {
   std::uint64_t file_size = 0;
   std::optional<std::uint64_t> seal;
 
-  mutable std::mutex mutex;  // guards everything below
-  std::map<std::string, Entry, std::less<>> index;
+  mutable std::mutex mutex;                         // guards everything below
+  std::map<std::string, Entry, std::less<>> index;  // the datasets looked at so far
+  std::map<std::string, External, std::less<>> externals;
   std::optional<std::vector<DatasetInfo>> all;
   std::optional<std::vector<std::pair<std::string, std::string>>> skipped;
   std::optional<std::vector<ParamRecord>> checked_params;
@@ -663,9 +896,13 @@ struct CheckpointReader::Impl {
   [[noreturn]] void refuse(std::string_view why) const {
     throw Error(Errc::not_a_checkpoint, cat(path.string(), " is not a shardckpt checkpoint: ", why));
   }
+  void open(const fs::path& p);
+  Hid group(hid_t parent, const char* name, std::string_view shown, const Where& w) const;
   Entry& entry(std::string_view key);
+  void read_header(const std::string& name, Entry& e) const;
   const DatasetInfo& info(std::string_view key);
-  void check_external(hid_t set, const std::string& name, const Where& w) const;
+  void read_storage(hid_t set, const std::string& name, Entry& e, const Where& w) const;
+  External& external(const std::string& name);
   const std::vector<Extent>& extents_for(Entry& e);
   const std::vector<Slab>& slabs_for(Entry& e);
   void read_units(std::int64_t first, std::int64_t n, std::uint64_t* out) const;
@@ -674,14 +911,20 @@ struct CheckpointReader::Impl {
   void read_checked(const DatasetInfo& d, Entry& e, const Slab& s, const Box& sub, const Box& box, std::byte* out,
                     const ReadOptions& options);
   void read_metadata();
+  void read_checksum_table(hid_t meta, const Where& w);
 };
+
+// The group `name` of `parent`, reached through a hard link only (`shown` names it in messages).
+Hid CheckpointReader::Impl::group(hid_t parent, const char* name, std::string_view shown, const Where& w) const {
+  if (!hdf5::hard_link_exists(parent, name, w) || hdf5::object_type(parent, name, w) != H5O_TYPE_GROUP)
+    refuse(cat("it has no ", shown, " group"));
+  return owned(H5Gopen2(parent, name, H5P_DEFAULT), H5Gclose, w, Errc::not_a_checkpoint);
+}
 
 void CheckpointReader::Impl::read_metadata() {
   const Where w{path, "", "read the checkpoint metadata"};
   const Errc no = Errc::not_a_checkpoint;
-  if (!hdf5::link_exists(h5.get(), meta_group, w) || hdf5::object_type(h5.get(), meta_group, w) != H5O_TYPE_GROUP)
-    refuse("it has no /_shardckpt group");
-  Hid meta = owned(H5Gopen2(h5.get(), meta_group, H5P_DEFAULT), H5Gclose, w, no);
+  Hid meta = group(h5.get(), meta_group, "/_shardckpt", w);
   for (const char* name : {"format", "format_version", "kind", "params"})
     if (!hdf5::has_attr(meta.get(), name, w)) refuse(cat("/_shardckpt has no attribute ", name));
   if (hdf5::read_string(meta.get(), "format", w, no) != "shardckpt") refuse("/_shardckpt names another format");
@@ -703,9 +946,7 @@ void CheckpointReader::Impl::read_metadata() {
   } catch (const std::exception& e) {  // not JSON, or fields of the wrong type
     refuse(cat("attribute params does not hold valid parameter records: ", e.what()));
   }
-  if (!hdf5::link_exists(h5.get(), common_group, w) || hdf5::object_type(h5.get(), common_group, w) != H5O_TYPE_GROUP)
-    refuse("it has no /_shardckpt/common group");
-  Hid common = owned(H5Gopen2(h5.get(), common_group, H5P_DEFAULT), H5Gclose, w, no);
+  Hid common = group(meta.get(), "common", "/_shardckpt/common", w);
   hdf5::for_each_attr(common.get(), w, [&](const char* name) {
     contents.common.emplace(name, hdf5::read_value(common.get(), name, w, no));
   });
@@ -721,86 +962,123 @@ void CheckpointReader::Impl::read_metadata() {
   if (scheme == no_checksums) return;
   if (scheme != checksum_scheme) refuse("attribute checksums names a checksum scheme this library does not know");
   checksummed = contents.checksummed = true;
-  if (!hdf5::link_exists(h5.get(), slabs_group, w) || hdf5::object_type(h5.get(), slabs_group, w) != H5O_TYPE_GROUP)
-    refuse("it has no /_shardckpt/slabs group");
-  if (!hdf5::link_exists(h5.get(), checksums_set, w) ||
-      hdf5::object_type(h5.get(), checksums_set, w) != H5O_TYPE_DATASET)
+  (void)group(meta.get(), "slabs", "/_shardckpt/slabs", w);
+  read_checksum_table(meta.get(), w);
+}
+
+// The checksum table is read by address only: a table stored any other way (chunked, external,
+// virtual) is refused rather than read through HDF5.
+void CheckpointReader::Impl::read_checksum_table(hid_t meta, const Where& w) {
+  const Errc no = Errc::not_a_checkpoint;
+  if (!hdf5::hard_link_exists(meta, "checksums", w) || hdf5::object_type(meta, "checksums", w) != H5O_TYPE_DATASET)
     refuse("it has no /_shardckpt/checksums dataset");
   const Where cw{path, checksums_set, "read the checksum table"};
-  checksums = owned(H5Dopen2(h5.get(), checksums_set, H5P_DEFAULT), H5Dclose, cw, no);
+  checksums = owned(H5Dopen2(meta, "checksums", H5P_DEFAULT), H5Dclose, cw, no);
   Hid type = owned(H5Dget_type(checksums.get()), H5Tclose, cw, no);
   const std::vector<std::int64_t> shape = hdf5::shape_of(checksums.get(), cw, no);
   if (shape.size() != 1 || hdf5::dtype_of(type.get()) != DType::u64)
     refuse("/_shardckpt/checksums is not a 1-D table of u64");
   total_units = shape[0];
-  const std::vector<Extent> table = extents_of(checksums.get(), type.get(), shape, DType::u64, cw);
-  if (table.size() == 1) {
-    const std::uint64_t bytes = static_cast<std::uint64_t>(total_units) * sizeof(std::uint64_t);
-    if (table[0].address > file_size || bytes > file_size - table[0].address)
-      refuse("its checksum table ends past the end of the file (truncated)");
-    checksums_address = table[0].address;
+  if (total_units == 0) return;
+  Hid dcpl = owned(H5Dget_create_plist(checksums.get()), H5Pclose, cw, no);
+  const bool plain = H5Pget_external_count(dcpl.get()) == 0 && H5Pget_layout(dcpl.get()) == H5D_CONTIGUOUS;
+  H5Eclear2(H5E_DEFAULT);
+  const std::vector<Extent> table =
+      plain ? extents_of(checksums.get(), type.get(), shape, DType::u64, cw) : std::vector<Extent>{};
+  if (table.size() != 1) refuse("its checksum table is not stored contiguously in the file");
+  const std::uint64_t bytes = static_cast<std::uint64_t>(total_units) * sizeof(std::uint64_t);
+  if (table[0].address > file_size || bytes > file_size - table[0].address)
+    refuse("its checksum table ends past the end of the file (truncated)");
+  checksums_address = table[0].address;
+}
+
+// Opens the file itself, in its directory, which stays open for the external files beside it.
+void CheckpointReader::Impl::open(const fs::path& p) {
+  path = p;
+  const fs::path target = io::follow_links(p);
+  const std::string name = target.filename().string();
+  if (io::is_temporary_name(name))
+    refuse("it is the temporary file of a save that did not finish, or is still running (docs/cluster.md: "
+           "remove it once no save runs)");
+  std::error_code ec;
+  const fs::path parent = target.parent_path().empty() ? fs::path(".") : target.parent_path();
+  if (!fs::is_directory(parent, ec)) refuse("no such file");
+  dir = io::Directory::open(parent);
+  if (!dir.status(name)) refuse("no such file");
+  try {
+    file = dir.open_regular(name, Errc::not_a_checkpoint);
+  } catch (const Error& e) {
+    if (e.code() == Errc::not_a_checkpoint) refuse(e.what());
+    throw;
   }
+  file_size = file.size();
 }
 
 CheckpointReader::CheckpointReader(const fs::path& path, OpenOptions options) : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
-  m.path = path;
-  std::error_code ec;
-  if (!fs::exists(path, ec)) m.refuse("no such file");
-  if (!fs::is_regular_file(path, ec)) m.refuse("not a regular file");
-  m.file = io::File::open_read(path);
-  // Before HDF5 reads a byte: damaged metadata of a sealed file never reaches HDF5's parser.
-  m.seal = check_seal(m.file, options.trusted_seal);
-  if (options.require_seal && !m.seal)
+  m.open(path);
+  // Before HDF5 reads a byte: damaged metadata of a sealed file never reaches HDF5's parser, and
+  // with a current seal every later read is checked again (a file changed in place is an error).
+  std::optional<Seal> seal = check_seal(m.file, options.trusted_seal);
+  if (options.require_seal && !seal)
     m.refuse("it has no seal, so its metadata cannot be checked before HDF5 reads it");
-  m.file_size = m.file.size();
+  if (seal) {
+    m.seal = seal->digest;
+    m.sealed = std::move(seal->pages);
+  }
   m.cached.emplace(m.file, io::PageCache::use);
-  m.channel = std::make_unique<hdf5::Channel>(m.file);
+  m.channel = m.sealed ? std::make_unique<hdf5::Channel>(m.file, *m.sealed) : std::make_unique<hdf5::Channel>(m.file);
   try {
     m.h5 = hdf5::open_file(*m.channel, false, Errc::not_a_checkpoint);
-    m.access = owned(H5Pcreate(H5P_DATASET_ACCESS), H5Pclose, {m.path, "", "open the file"});
-    check(H5Pset_efile_prefix(m.access.get(), "${ORIGIN}"), {m.path, "", "open the file"});
   } catch (const Error& e) {
-    if (e.code() == Errc::io) throw;
+    if (e.code() == Errc::io || e.code() == Errc::corrupt) throw;
     m.refuse(cat("not an HDF5 file HDF5 can open (", e.what(), ")"));
   }
   m.read_metadata();
-  const Where w{path, "", "list the datasets"};
-  for (std::string& name : hdf5::link_names(m.h5.get(), w))
-    if (name != meta_group) m.index.try_emplace(std::move(name));
 }
 
 CheckpointReader::CheckpointReader(CheckpointReader&&) noexcept = default;
 CheckpointReader& CheckpointReader::operator=(CheckpointReader&&) noexcept = default;
 CheckpointReader::~CheckpointReader() = default;
 
+// The entry of a dataset, its header read on first use (only the datasets a rank looks at).
 CheckpointReader::Impl::Entry& CheckpointReader::Impl::entry(std::string_view key) {
   const auto it = index.find(key);
-  require(it != index.end(), Errc::missing_key, "key ", key, " is not in ", path.string());
-  Entry& e = it->second;
-  if (e.read) return e;
-  e.read = true;
-  const std::string& name = it->first;
+  if (it != index.end()) return it->second;
+  const std::string name(key);
+  const Where w{path, name, "find the dataset"};
+  require(name != meta_group && io::plain_name(name) && hdf5::link_exists(h5.get(), name.c_str(), w),
+          Errc::missing_key, "key ", key, " is not in ", path.string());
+  Entry e;
+  read_header(name, e);
+  return index.emplace(name, std::move(e)).first->second;
+}
+
+void CheckpointReader::Impl::read_header(const std::string& name, Entry& e) const {
   const Where dw{path, name, "read the dataset header"};
   const Errc no = Errc::not_a_checkpoint;
+  if (!hdf5::hard_link_exists(h5.get(), name.c_str(), dw)) {
+    e.skipped = "a soft or external link (not followed)";
+    return;
+  }
   if (hdf5::object_type(h5.get(), name.c_str(), dw) != H5O_TYPE_DATASET) {
     e.skipped = "not a dataset";
-    return e;
+    return;
   }
-  Hid set = owned(H5Dopen2(h5.get(), name.c_str(), access.get()), H5Dclose, dw, no);
-  check_external(set.get(), name, dw);
+  Hid set = owned(H5Dopen2(h5.get(), name.c_str(), H5P_DEFAULT), H5Dclose, dw, no);
   Hid type = owned(H5Dget_type(set.get()), H5Tclose, dw, no);
   const std::optional<DType> dtype = hdf5::dtype_of(type.get());
   if (!dtype) {
     e.skipped = "an element type shardckpt does not store";
-    return e;
+    return;
   }
   std::vector<std::int64_t> shape = hdf5::shape_of(set.get(), dw, no);
   if (shape.empty()) {
     e.skipped = "a scalar dataset (tensors have at least one dimension)";
-    return e;
+    return;
   }
   DatasetInfo info{name, *dtype, std::move(shape), {}, std::nullopt};
+  read_storage(set.get(), name, e, dw);
   if (hdf5::has_attr(set.get(), "global_shape", dw)) {
     // A local file's piece: its box in the global dataset (earlier files kept an N-D offset instead).
     PiecePlacement p{name, hdf5::read_ints(set.get(), "global_shape", 0, 32, dw, no), {}};
@@ -824,30 +1102,45 @@ CheckpointReader::Impl::Entry& CheckpointReader::Impl::entry(std::string_view ke
     info.placement = std::move(p);
   }
   e.info = std::move(info);
-  return e;
 }
 
-// Bytes in another file must be in a plain file of the checkpoint's own directory: a file could
-// otherwise make a load read any file its user can (/etc/shadow, say) into tensors.
-void CheckpointReader::Impl::check_external(hid_t set, const std::string& name, const Where& w) const {
+// How the dataset's bytes are stored, refusing what the reader cannot read as the file means it.
+// Virtual datasets (bytes in other files, and fill values where those are missing) are refused;
+// bytes in another file (external storage) must sit in one plain file of the checkpoint's own
+// directory, which the reader opens itself (a file could otherwise make a load read any file its
+// user can, /etc/shadow, say); data that was never stored (HDF5 would read its fill value) is
+// refused.
+void CheckpointReader::Impl::read_storage(hid_t set, const std::string& name, Entry& e, const Where& w) const {
   Hid dcpl = owned(H5Dget_create_plist(set), H5Pclose, w, Errc::not_a_checkpoint);
+  if (H5Pget_layout(dcpl.get()) == H5D_VIRTUAL)
+    refuse(cat("dataset ", name, " is an HDF5 virtual dataset (its bytes live in other files, and read as fill ",
+               "values where those are missing): shardckpt does not read virtual datasets"));
   const int n = H5Pget_external_count(dcpl.get());
   if (n < 0) refuse(cat("dataset ", name, ": its external storage cannot be read"));
-  // HDF5 lets this variable override where external files are looked for.
-  const char* prefix = std::getenv("HDF5_EXTFILE_PREFIX");
-  if (n > 0 && prefix && std::string_view(prefix) != "${ORIGIN}")
-    throw Error(Errc::invalid_argument, cat(path.string(), ": dataset ", name, " keeps its bytes beside the ",
-                                            "checkpoint, but HDF5_EXTFILE_PREFIX=", prefix, " would make HDF5 read ",
-                                            "them elsewhere: unset it (or set it to ${ORIGIN})"));
-  for (int i = 0; i < n; ++i) {
+  if (n > 0) {
     char file[256] = {};
     off_t offset = 0;
     hsize_t size = 0;
-    if (H5Pget_external(dcpl.get(), static_cast<unsigned>(i), sizeof file, file, &offset, &size) < 0 ||
-        std::strlen(file) >= sizeof file - 1 || !plain_file_name(file) || offset < 0)
-      refuse(cat("dataset ", name, " keeps its bytes in '", std::string_view(file, strnlen(file, sizeof file)),
-                 "', not a plain file beside the checkpoint"));
+    if (n != 1 || H5Pget_external(dcpl.get(), 0, sizeof file, file, &offset, &size) < 0 ||
+        std::strlen(file) >= sizeof file - 1 || !io::plain_name(file) || offset < 0)
+      refuse(cat("dataset ", name, " keeps its bytes in '", std::string_view(file, strnlen(file, sizeof file)), "'",
+                 n > 1 ? " and other files" : "", ", not a plain file beside the checkpoint"));
+    e.external = file;
+    e.external_offset = static_cast<std::uint64_t>(offset);
+    return;
   }
+  if (!fully_stored(set, dcpl.get(), w))
+    refuse(cat("dataset ", name, " has elements that were never stored (HDF5 would read them as its fill value)"));
+}
+
+CheckpointReader::Impl::External& CheckpointReader::Impl::external(const std::string& name) {
+  const auto it = externals.find(name);
+  if (it != externals.end()) return it->second;
+  io::File f = dir.open_regular(name, Errc::not_a_checkpoint);
+  External& out = externals.try_emplace(name).first->second;
+  out.file = std::move(f);
+  out.bulk.emplace(out.file, io::PageCache::use);
+  return out;
 }
 
 const DatasetInfo& CheckpointReader::Impl::info(std::string_view key) {
@@ -859,14 +1152,23 @@ const DatasetInfo& CheckpointReader::Impl::info(std::string_view key) {
 const std::vector<Extent>& CheckpointReader::Impl::extents_for(Entry& e) {
   if (e.extents) return *e.extents;
   const DatasetInfo& d = *e.info;
-  const Where dw{path, d.key, "locate the dataset's data"};
-  Hid set = owned(H5Dopen2(h5.get(), d.key.c_str(), access.get()), H5Dclose, dw, Errc::not_a_checkpoint);
-  Hid type = owned(H5Dget_type(set.get()), H5Tclose, dw, Errc::not_a_checkpoint);
-  std::vector<Extent> extents = extents_of(set.get(), type.get(), d.shape, d.dtype, dw);
+  std::vector<Extent> extents;
+  std::uint64_t size = file_size;
+  std::string_view where = "the file";
+  if (e.external) {
+    size = external(*e.external).file.size();
+    where = *e.external;
+    if (!whole_box(d.shape).empty()) extents.push_back({whole_box(d.shape), e.external_offset});
+  } else {
+    const Where dw{path, d.key, "locate the dataset's data"};
+    Hid set = owned(H5Dopen2(h5.get(), d.key.c_str(), H5P_DEFAULT), H5Dclose, dw, Errc::not_a_checkpoint);
+    Hid type = owned(H5Dget_type(set.get()), H5Tclose, dw, Errc::not_a_checkpoint);
+    extents = extents_of(set.get(), type.get(), d.shape, d.dtype, dw);
+  }
   for (const Extent& x : extents) {
     const auto bytes = static_cast<std::uint64_t>(box_elements(x.box)) * dtype_size(d.dtype);
-    if (x.address > file_size || bytes > file_size - x.address)
-      refuse(cat("dataset ", d.key, " ends at byte ", x.address + bytes, " but the file has ", file_size,
+    if (x.address > size || bytes > size - x.address)
+      refuse(cat("dataset ", d.key, " ends at byte ", x.address + bytes, " but ", where, " has ", size,
                  " (truncated)"));
   }
   return *(e.extents = std::move(extents));
@@ -921,25 +1223,31 @@ void CheckpointReader::Impl::read_units(std::int64_t first, std::int64_t n, std:
 void CheckpointReader::Impl::raw_read(const DatasetInfo& d, Entry& e, const Box& box, std::byte* mem,
                                       std::int64_t mem_row_elems, std::int64_t mem_col, const ReadOptions& options) {
   const std::int64_t es = element_size(d.dtype);
-  if (options.method == IoMethod::direct) {
+  // Bytes in an external file are always read here: HDF5 would open the file by name.
+  if (options.method == IoMethod::direct || e.external) {
+    const io::File* from = &file;
     const io::BulkReader* bulk = &*cached;
     const std::vector<Extent>* extents = nullptr;
     {
       const std::lock_guard lock(mutex);
       extents = &extents_for(e);
-      if (options.bypass_page_cache) {
+      if (e.external) {
+        External& x = external(*e.external);
+        from = &x.file;
+        bulk = &*x.bulk;
+      } else if (options.bypass_page_cache) {
         if (!uncached) uncached.emplace(file, io::PageCache::bypass);
         bulk = &*uncached;
       }
     }
-    if (!extents->empty()) {
+    if (!extents->empty() || e.external) {
       const std::int64_t stride = mem_row_elems * es;
       transfer(path, *extents, es, box, mem + mem_col * es, stride,
                [&](std::byte* q, std::size_t run, std::size_t rows, std::uint64_t at, std::int64_t file_stride) {
                  const auto s = static_cast<std::size_t>(stride);
                  if (static_cast<std::int64_t>(run) != file_stride)  // part of each file row: few bytes, scattered
                    for (std::size_t r = 0; r < rows; ++r)
-                     file.pread_all(q + r * s, run, at + r * static_cast<std::uint64_t>(file_stride));
+                     from->pread_all(q + r * s, run, at + r * static_cast<std::uint64_t>(file_stride));
                  else if (run == s)
                    bulk->read(q, run * rows, at);
                  else
@@ -950,7 +1258,7 @@ void CheckpointReader::Impl::raw_read(const DatasetInfo& d, Entry& e, const Box&
   }
   // Datasets the direct path cannot address (filtered, small chunks, another byte order) go through HDF5.
   const Where w{path, d.key, "read a piece"};
-  Hid set = owned(H5Dopen2(h5.get(), d.key.c_str(), access.get()), H5Dclose, w, Errc::not_a_checkpoint);
+  Hid set = owned(H5Dopen2(h5.get(), d.key.c_str(), H5P_DEFAULT), H5Dclose, w, Errc::not_a_checkpoint);
   hdf5::read_box(set.get(), d.dtype, d.shape, box, mem, mem_row_elems, mem_col, w);
 }
 
@@ -961,36 +1269,40 @@ io::FileIdentity CheckpointReader::identity() const { return impl_->file.identit
 std::optional<std::uint64_t> CheckpointReader::seal() const noexcept { return impl_->seal; }
 const CheckpointContents& CheckpointReader::contents() const noexcept { return impl_->contents; }
 
+std::uint64_t CheckpointReader::fingerprint() const {
+  const Impl& m = *impl_;
+  std::string text = cat(m.contents.id, "\n", m.seal.value_or(0), "\n", m.file_size, "\n", m.version, "\n",
+                         static_cast<int>(m.contents.kind), "\n", params_json(m.contents.params).dump(), "\n");
+  for (const auto& [key, value] : m.contents.common)
+    std::visit(
+        [&](const auto& v) {
+          using T = std::decay_t<decltype(v)>;
+          if constexpr (std::is_same_v<T, double>)
+            text += cat(key.size(), ":", key, "=f", std::bit_cast<std::uint64_t>(v), ";");
+          else if constexpr (std::is_same_v<T, std::string>)
+            text += cat(key.size(), ":", key, "=s", v.size(), ":", v, ";");
+          else
+            text += cat(key.size(), ":", key, "=i", v, ";");
+        },
+        value);
+  return row_hash(text.data(), text.size());
+}
+
 const std::vector<ParamRecord>& CheckpointReader::params() const {
   Impl& m = *impl_;
   {
     const std::lock_guard lock(m.mutex);
     if (m.checked_params) return *m.checked_params;
   }
-  std::set<std::string> covered;
-  for (const ParamRecord& r : m.contents.params) {
-    std::optional<DType> dtype;
-    const auto bad = [&](std::string_view why) {
-      m.refuse(cat("attribute params: the record of ", r.key, " ", why));
-    };
-    for (const Section& b : r.blocks) {
-      const std::string key = block_key(r.key, b.name);
-      if (!covered.insert(key).second) bad(cat("names dataset ", key, ", which another record names too"));
-      const DatasetInfo* d = nullptr;
-      try {
+  check_records(
+      m.contents.params,
+      [&](const std::string& key) -> const DatasetInfo& {
         const std::lock_guard lock(m.mutex);
-        d = &m.info(key);
-      } catch (const Error& e) {
-        bad(cat("names dataset ", key, ": ", e.what()));
-      }
-      std::vector<std::int64_t> want{b.rows};
-      want.insert(want.end(), r.trailing.begin(), r.trailing.end());
-      if (d->shape != want)
-        bad(cat("says block ", key, " has shape ", dims_text(want), " but the dataset has ", dims_text(d->shape)));
-      if (dtype && *dtype != d->dtype) bad("has blocks of different dtypes");
-      dtype = d->dtype;
-    }
-  }
+        return m.info(key);
+      },
+      [&](const ParamRecord& r, std::string_view why) {
+        m.refuse(cat("attribute params: the record of ", r.key, " ", why));
+      });
   const std::lock_guard lock(m.mutex);
   if (!m.checked_params) m.checked_params = m.contents.params;
   return *m.checked_params;
@@ -1002,7 +1314,8 @@ const std::vector<DatasetInfo>& CheckpointReader::datasets() const {
   if (!m.all) {
     std::vector<DatasetInfo> all;
     std::vector<std::pair<std::string, std::string>> skipped;
-    for (auto& [name, unused] : m.index) {
+    for (const std::string& name : hdf5::link_names(m.h5.get(), {m.path, "", "list the datasets"})) {
+      if (name == meta_group) continue;
       const Impl::Entry& e = m.entry(name);
       if (e.info)
         all.push_back(*e.info);
@@ -1138,8 +1451,8 @@ struct PlainDataset {
 };
 
 // The tensors at the root of a plain HDF5 file; anything adopt cannot point at is an error.
-std::vector<PlainDataset> plain_datasets(const fs::path& plain) {
-  io::File f = io::File::open_read(plain);
+std::vector<PlainDataset> plain_datasets(io::File& f) {
+  const fs::path& plain = f.path();
   const std::uint64_t size = f.size();
   hdf5::Channel channel(f);
   Hid h5 = hdf5::open_file(channel, false, Errc::not_a_checkpoint);
@@ -1150,7 +1463,8 @@ std::vector<PlainDataset> plain_datasets(const fs::path& plain) {
       throw Error(Errc::not_a_checkpoint, cat("cannot adopt ", plain.string(), ": ", name, " ", why));
     };
     if (name == meta_group) cannot("exists: the file is a shardckpt checkpoint already");
-    if (hdf5::object_type(h5.get(), name.c_str(), w) != H5O_TYPE_DATASET) cannot("is not a dataset");
+    if (!hdf5::hard_link_exists(h5.get(), name.c_str(), w) || hdf5::object_type(h5.get(), name.c_str(), w) != H5O_TYPE_DATASET)
+      cannot("is not a dataset");
     Hid set = owned(H5Dopen2(h5.get(), name.c_str(), H5P_DEFAULT), H5Dclose, w, Errc::not_a_checkpoint);
     Hid type = owned(H5Dget_type(set.get()), H5Tclose, w, Errc::not_a_checkpoint);
     const std::optional<DType> dtype = hdf5::dtype_of(type.get());
@@ -1171,8 +1485,7 @@ std::vector<PlainDataset> plain_datasets(const fs::path& plain) {
 }
 
 // The XXH3-64 of every row of every dataset, read from the plain file once, in dataset order.
-std::vector<std::uint64_t> row_hashes(const fs::path& plain, const std::vector<PlainDataset>& sets) {
-  const io::File f = io::File::open_read(plain);
+std::vector<std::uint64_t> row_hashes(const io::File& f, const std::vector<PlainDataset>& sets) {
   std::vector<std::uint64_t> out;
   std::vector<std::byte> batch;
   for (const PlainDataset& d : sets) {
@@ -1188,41 +1501,62 @@ std::vector<std::uint64_t> row_hashes(const fs::path& plain, const std::vector<P
   return out;
 }
 
+// The records must describe the plain file's datasets (keys, shapes, one dtype per parameter).
+void check_adopted_records(const std::vector<ParamRecord>& records, const std::vector<PlainDataset>& sets) {
+  std::map<std::string, DatasetInfo, std::less<>> by_key;
+  for (const PlainDataset& d : sets) by_key.emplace(d.key, DatasetInfo{d.key, d.dtype, d.shape, {}, std::nullopt});
+  check_records(
+      records,
+      [&](const std::string& key) -> const DatasetInfo& {
+        const auto it = by_key.find(key);
+        require(it != by_key.end(), Errc::missing_key, "the file has no dataset ", key);
+        return it->second;
+      },
+      [](const ParamRecord& r, std::string_view why) {
+        throw Error(Errc::invalid_argument,
+                    cat("the parameter records do not describe its datasets: the record of ", r.key, " ", why));
+      });
+}
+
 }  // namespace
 
-void adopt(const fs::path& plain, const fs::path& out, const std::vector<ParamRecord>& records,
-           const std::map<std::string, CommonValue, std::less<>>& common) {
-  const fs::path from = fs::absolute(plain), to = fs::absolute(io::follow_links(out));
-  if (from.parent_path() != to.parent_path())
-    throw Error(Errc::invalid_argument, cat("adopting ", plain.string(), ": ", out.string(),
-                                            " must be in the same directory (the checkpoint finds the bytes beside it)"));
-  const std::vector<PlainDataset> sets = plain_datasets(from);
-  std::vector<DatasetSpec> specs;
-  std::int64_t units = 0;
-  for (const PlainDataset& d : sets) {
-    const Box whole = whole_box(d.shape);
-    specs.push_back({d.key, d.dtype, d.shape, std::nullopt, {}, {}, ExternalData{from.filename().string(), d.address}});
-    if (!whole.empty()) specs.back().slabs.push_back({whole, units});
-    units += units_of(whole);
-  }
-  const std::vector<std::uint64_t> hashes = row_hashes(from, sets);
-  const fs::path partial = partial_path(to);
+AdoptReport adopt(const fs::path& plain, const fs::path& out, const std::vector<ParamRecord>& records,
+                  const std::map<std::string, CommonValue, std::less<>>& common) {
   try {
-    const Skeleton skeleton = create_skeleton(partial, specs, {CheckpointKind::global, records, common, io::random_id()}, units);
-    io::File f = io::File::open_update(partial);
-    if (!hashes.empty()) f.pwrite_all(hashes.data(), hashes.size() * sizeof(std::uint64_t), skeleton.checksums_address);
-    f.sync();
-    f.close();
-    mark_complete(partial, skeleton.data);
-    // The records must describe these datasets (keys, shapes, one dtype per parameter).
-    try {
-      (void)CheckpointReader(partial).params();
-    } catch (const Error& e) {
-      throw Error(Errc::invalid_argument, cat("the parameter records do not describe its datasets: ", e.what()));
+    io::Destination dest = io::Destination::of(out);
+    const fs::path source = io::follow_links(plain);
+    const io::Directory dir = io::Directory::open(source.parent_path());
+    io::File f = dir.open_regular(source.filename().string(), Errc::not_a_checkpoint);
+    const io::FileStatus here = dir.status(), there = dest.dir.status();
+    require(here.identity == there.identity, Errc::invalid_argument, out.string(),
+            " must be in the same directory as ", plain.string(), " (the checkpoint finds the bytes beside it)");
+    const std::optional<io::FileStatus> replaced = dest.dir.status(dest.name);
+    require(!replaced || replaced->identity != f.identity(), Errc::invalid_argument, out.string(), " is ",
+            plain.string(), " itself: the checkpoint would replace the file whose bytes it points at");
+    const std::vector<PlainDataset> sets = plain_datasets(f);
+    check_adopted_records(records, sets);
+    std::vector<DatasetSpec> specs;
+    AdoptReport report;
+    std::int64_t units = 0;
+    for (const PlainDataset& d : sets) {
+      const Box whole = whole_box(d.shape);
+      specs.push_back({d.key, d.dtype, d.shape, std::nullopt, {}, {}, ExternalData{source.filename().string(), d.address}});
+      if (!whole.empty()) specs.back().slabs.push_back({whole, units});
+      units += units_of(whole);
+      report.bytes += element_count(d.shape) * element_size(d.dtype);
     }
-    commit(partial, to);
+    const std::vector<std::uint64_t> hashes = row_hashes(f, sets);
+    io::TemporaryFile temp = io::TemporaryFile::create(std::move(dest));
+    const Skeleton skeleton =
+        create_skeleton(temp.file(), specs, {CheckpointKind::global, records, common, io::random_id()}, units);
+    if (!hashes.empty())
+      temp.file().pwrite_all(hashes.data(), hashes.size() * sizeof(std::uint64_t), skeleton.checksums_address);
+    mark_complete(temp.file(), skeleton.data);
+    temp.commit();
+    report.tensors = static_cast<std::int64_t>(sets.size());
+    report.params = static_cast<std::int64_t>(records.size());
+    return report;
   } catch (Error& e) {
-    discard(partial);
     throw std::move(e.add_context(cat("adopting ", plain.string())));
   }
 }

@@ -147,9 +147,13 @@ herr_t driver_read(H5FD_t* f, H5FD_mem_t, hid_t, haddr_t addr, size_t size, void
   DriverFile& file = *as_file(f);
   if (addr == HADDR_UNDEF || addr > max_address || size > max_address - addr) return -1;
   try {
-    // Bytes past the end of the file read as zeros, as with HDF5's own POSIX driver.
-    const std::size_t got = file.channel->file().pread_upto(buf, size, addr);
-    std::memset(static_cast<std::byte*>(buf) + got, 0, size - got);
+    if (const ReadCheck* check = file.channel->read_check()) {
+      check->read(file.channel->file(), addr, buf, size);
+    } else {
+      // Bytes past the end of the file read as zeros, as with HDF5's own POSIX driver.
+      const std::size_t got = file.channel->file().pread_upto(buf, size, addr);
+      std::memset(static_cast<std::byte*>(buf) + got, 0, size - got);
+    }
   } catch (Error& e) {
     file.channel->record_read_failure(std::move(e));
     return -1;
@@ -237,6 +241,25 @@ hid_t driver_id() {
   return id;
 }
 
+// What HDF5 is told a file is called: an absolute label, so that HDF5 never resolves a path (a
+// relative name makes it ask for the working directory, which fails below PATH_MAX).
+constexpr const char* file_label = "/shardckpt-channel";
+
+// A reader's caches: HDF5's default metadata cache starts at 2 MiB and may grow to 32 MiB per open
+// file, and every chunked dataset it reads gets a 1 MiB chunk cache; a reader reads raw data past
+// HDF5 and needs only the headers of what it reads.
+void small_caches(hid_t fapl, const Where& w) {
+  H5AC_cache_config_t config{};
+  config.version = H5AC__CURR_CACHE_CONFIG_VERSION;
+  check(H5Pget_mdc_config(fapl, &config), w);
+  config.set_initial_size = true;
+  config.initial_size = std::size_t{256} << 10;
+  config.min_size = std::size_t{64} << 10;
+  config.max_size = std::size_t{1} << 20;
+  check(H5Pset_mdc_config(fapl, &config), w);
+  check(H5Pset_cache(fapl, 0, 521, 0, 0.75), w);
+}
+
 Hid file_access(Channel& channel, const Where& w) {
   Hid fapl = owned(H5Pcreate(H5P_FILE_ACCESS), H5Pclose, w);
   check(H5Pset_fclose_degree(fapl.get(), H5F_CLOSE_STRONG), w);
@@ -311,14 +334,15 @@ Hid create_file(Channel& channel) {
   // Objects of 64 KiB or more (tensor data) start at multiples of 4096 bytes: rows of such
   // multiples then lie aligned for reads that bypass the page cache (io::BulkReader).
   check(H5Pset_alignment(fapl.get(), hsize_t{64} << 10, 4096), w);
-  return owned(H5Fcreate(channel.file().path().c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl.get()), H5Fclose, w);
+  return owned(H5Fcreate(file_label, H5F_ACC_TRUNC, H5P_DEFAULT, fapl.get()), H5Fclose, w);
 }
 
 Hid open_file(Channel& channel, bool writable, Errc code) {
   quiet();
   const Where w{channel.file().path(), "", "open the file"};
   Hid fapl = file_access(channel, w);
-  const hid_t id = H5Fopen(channel.file().path().c_str(), writable ? H5F_ACC_RDWR : H5F_ACC_RDONLY, fapl.get());
+  if (!writable) small_caches(fapl.get(), w);
+  const hid_t id = H5Fopen(file_label, writable ? H5F_ACC_RDWR : H5F_ACC_RDONLY, fapl.get());
   if (id < 0) {
     if (channel.read_failure()) {
       H5Eclear2(H5E_DEFAULT);
@@ -426,6 +450,13 @@ std::vector<std::string> link_names(hid_t group, const Where& w) {
 
 bool link_exists(hid_t parent, const char* name, const Where& w) {
   return check(H5Lexists(parent, name, H5P_DEFAULT), w, Errc::not_a_checkpoint) > 0;
+}
+
+bool hard_link_exists(hid_t parent, const char* name, const Where& w) {
+  if (!link_exists(parent, name, w)) return false;
+  H5L_info_t info;
+  check(H5Lget_info(parent, name, &info, H5P_DEFAULT), w, Errc::not_a_checkpoint);
+  return info.type == H5L_TYPE_HARD;
 }
 
 H5O_type_t object_type(hid_t parent, const char* name, const Where& w) {

@@ -3,6 +3,8 @@ module;
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#define XXH_INLINE_ALL
+#include <xxhash.h>
 
 #include <algorithm>
 #include <atomic>
@@ -13,6 +15,7 @@ module;
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -29,8 +32,11 @@ namespace {
 
 namespace fs = std::filesystem;
 
+// Running out of descriptors or kernel memory is no I/O error of the file.
+Errc code_of(int err) { return err == EMFILE || err == ENFILE || err == ENOMEM ? Errc::resources : Errc::io; }
+
 [[noreturn]] void fail(std::string_view op, const fs::path& file, int err) {
-  throw Error(Errc::io, cat("could not ", op, " ", file.string(), ": ", std::strerror(err)));
+  throw Error(code_of(err), cat("could not ", op, " ", file.string(), ": ", std::strerror(err)));
 }
 
 [[noreturn]] void fail_at(std::string_view op, const fs::path& file, std::size_t n, std::uint64_t offset, int err) {
@@ -108,6 +114,44 @@ std::uint64_t File::size() const {
   if (::fstat(fd_, &st) != 0) fail("inspect", path_, errno);
   return static_cast<std::uint64_t>(st.st_size);
 }
+
+namespace {
+
+FileKind kind_of(mode_t mode) {
+  if (S_ISREG(mode)) return FileKind::regular;
+  if (S_ISDIR(mode)) return FileKind::directory;
+  if (S_ISLNK(mode)) return FileKind::symlink;
+  if (S_ISFIFO(mode)) return FileKind::fifo;
+  if (S_ISSOCK(mode)) return FileKind::socket;
+  if (S_ISCHR(mode)) return FileKind::character_device;
+  if (S_ISBLK(mode)) return FileKind::block_device;
+  return FileKind::other;
+}
+
+FileStatus status_of(const struct stat& st) {
+  return {kind_of(st.st_mode),
+          {static_cast<std::uint64_t>(st.st_dev), static_cast<std::uint64_t>(st.st_ino)},
+          static_cast<std::uint32_t>(st.st_mode & 07777),
+          static_cast<std::uint32_t>(st.st_uid),
+          static_cast<std::uint32_t>(st.st_gid),
+          static_cast<std::uint64_t>(st.st_nlink),
+          static_cast<std::uint64_t>(st.st_size)};
+}
+
+}  // namespace
+
+FileStatus File::status() const {
+  struct stat st{};
+  if (::fstat(fd_, &st) != 0) fail("inspect", path_, errno);
+  return status_of(st);
+}
+
+void File::set_mode(std::uint32_t mode) {
+  while (::fchmod(fd_, static_cast<mode_t>(mode & 07777)) != 0)
+    if (errno != EINTR) fail(cat("set the mode ", std::oct, mode, std::dec, " of"), path_, errno);
+}
+
+void File::try_set_group(std::uint32_t group) noexcept { (void)::fchown(fd_, static_cast<uid_t>(-1), group); }
 
 namespace {
 std::atomic<std::uint64_t> bytes_read{0}, bytes_written{0};
@@ -343,23 +387,281 @@ void BulkReader::read_runs(std::byte* dst, std::size_t run, std::size_t stride, 
   scatter(at, end, [&](std::byte* p, std::size_t n, std::uint64_t from) { s.file.pread_all(p, n, from); });
 }
 
-void sync_directory(const fs::path& dir) {
+// ---- directories, destinations and temporary files ----------------------------------------------
+
+std::string_view file_kind_name(FileKind kind) noexcept {
+  switch (kind) {
+    case FileKind::regular:
+      return "a regular file";
+    case FileKind::directory:
+      return "a directory";
+    case FileKind::symlink:
+      return "a symbolic link";
+    case FileKind::fifo:
+      return "a FIFO";
+    case FileKind::socket:
+      return "a socket";
+    case FileKind::character_device:
+      return "a character device";
+    case FileKind::block_device:
+      return "a block device";
+    case FileKind::other:
+      break;
+  }
+  return "not a regular file";
+}
+
+namespace {
+
+// This boot of this machine: the kernel's boot id, hashed (0 where it cannot be read).
+std::uint64_t this_machine() {
+  static const std::uint64_t id = [] {
+    std::ifstream in("/proc/sys/kernel/random/boot_id");
+    std::string text;
+    std::getline(in, text);
+    char host[256] = {};
+    ::gethostname(host, sizeof host - 1);
+    text += host;
+    return text.empty() ? std::uint64_t{0} : static_cast<std::uint64_t>(XXH3_64bits(text.data(), text.size()));
+  }();
+  return id;
+}
+
+}  // namespace
+
+SharedIdentity shared_identity(const FileIdentity& file) { return {file, this_machine()}; }
+
+bool same_file(const SharedIdentity& a, const SharedIdentity& b) noexcept {
+  if (a.file.inode != b.file.inode) return false;
+  return a.machine != b.machine || a.machine == 0 || a.file.device == b.file.device;
+}
+
+bool plain_name(std::string_view name) noexcept {
+  return !name.empty() && name != "." && name != ".." && name.find('/') == std::string_view::npos &&
+         name.find('\0') == std::string_view::npos;
+}
+
+Directory Directory::open(const fs::path& dir) {
   const fs::path d = dir.empty() ? fs::path(".") : dir;
-  const int fd = open_fd(d, O_RDONLY | O_DIRECTORY);
-  const int rc = ::fsync(fd), err = errno;
-  ::close(fd);
-  if (rc != 0) fail("flush to disk", d, err);
+  int fd = -1;
+  while ((fd = ::open(d.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC)) < 0 && errno == EINTR) {
+  }
+  if (fd < 0) fail("open the directory", d, errno);
+  Directory out;
+  out.fd_ = fd;
+  out.path_ = d;
+  return out;
 }
 
-void rename_durably(const fs::path& from, const fs::path& to) {
-  if (::rename(from.c_str(), to.c_str()) != 0)
-    throw Error(Errc::io, cat("could not rename ", from.string(), " to ", to.string(), ": ", std::strerror(errno)));
-  sync_directory(to.parent_path());
+Directory::Directory(Directory&& other) noexcept : fd_(std::exchange(other.fd_, -1)), path_(std::move(other.path_)) {}
+
+Directory& Directory::operator=(Directory&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = std::exchange(other.fd_, -1);
+    path_ = std::move(other.path_);
+  }
+  return *this;
 }
 
-void remove_quietly(const fs::path& path) noexcept {
-  std::error_code ec;
-  fs::remove(path, ec);
+Directory::~Directory() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+std::optional<FileStatus> Directory::status(std::string_view name) const {
+  struct stat st{};
+  const std::string n(name);
+  if (::fstatat(fd_, n.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
+    if (errno == ENOENT) return std::nullopt;
+    fail("inspect", *this / name, errno);
+  }
+  return status_of(st);
+}
+
+FileStatus Directory::status() const {
+  struct stat st{};
+  if (::fstat(fd_, &st) != 0) fail("inspect", path_, errno);
+  return status_of(st);
+}
+
+File Directory::open_regular(std::string_view name, Errc refusal) const {
+  const fs::path shown = *this / name;
+  require(plain_name(name), refusal, "'", name, "' is not a plain file name in ", path_.string());
+  const std::string n(name);
+  int fd = -1;
+  while ((fd = ::openat(fd_, n.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC)) < 0 && errno == EINTR) {
+  }
+  if (fd < 0 && errno == ELOOP) throw Error(refusal, cat(shown.string(), " is a symbolic link, which is not followed"));
+  if (fd < 0) fail("open", shown, errno);
+  File f(fd, shown);
+  const FileStatus st = f.status();
+  require(st.kind == FileKind::regular, refusal, shown.string(), " is ", file_kind_name(st.kind),
+          ", not a regular file");
+  // O_NONBLOCK only kept the open from waiting; reads of a regular file never wait on it anyway.
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags >= 0) (void)::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
+  return f;
+}
+
+void Directory::sync() const {
+  if (::fsync(fd_) != 0) fail("flush to disk", path_, errno);
+}
+
+Destination Destination::of(const fs::path& path) {
+  const fs::path target = follow_links(path);
+  Destination d;
+  d.name = target.filename().string();
+  require(plain_name(d.name), Errc::invalid_argument, "cannot save to ", path.string(),
+          ": it does not name a file in a directory");
+  d.dir = Directory::open(target.parent_path());
+  d.path = target;
+  d.require_replaceable();
+  return d;
+}
+
+void Destination::require_replaceable() const {
+  const std::optional<FileStatus> st = dir.status(name);
+  require(!st || st->kind == FileKind::regular || st->kind == FileKind::symlink, Errc::invalid_argument,
+          "cannot save to ", path.string(), ": it is ", file_kind_name(st ? st->kind : FileKind::other),
+          ", and a save replaces only regular files");
+}
+
+bool is_temporary_name(std::string_view name) noexcept {
+  constexpr std::string_view suffix = ".partial";
+  constexpr std::size_t hex = 32;
+  if (name.size() < 1 + 1 + 1 + hex + suffix.size() || name[0] != '.' || !name.ends_with(suffix)) return false;
+  const std::string_view rest = name.substr(0, name.size() - suffix.size());
+  const std::string_view digits = rest.substr(rest.size() - hex);
+  return rest[rest.size() - hex - 1] == '.' && digits.find_first_not_of("0123456789abcdef") == std::string_view::npos;
+}
+
+std::string temporary_name_for(std::string_view name) { return cat(".", name, ".", random_id(), ".partial"); }
+
+namespace {
+
+// Checks what a temporary file's descriptor is: a regular file with one link, owned by this user.
+void check_temporary(const File& f) {
+  const FileStatus st = f.status();
+  require(st.kind == FileKind::regular && st.links == 1 && st.owner == ::geteuid(), Errc::io, "the temporary file ",
+          f.path().string(), " is ", file_kind_name(st.kind), " with ", st.links, " links owned by user ", st.owner,
+          ", not the file this save created: another user may have planted it");
+}
+
+}  // namespace
+
+TemporaryFile TemporaryFile::create(Destination dest) {
+  ignore_sigxfsz();
+  const std::string name = temporary_name_for(dest.name);
+  int fd = -1;
+  while ((fd = ::openat(dest.dir.descriptor(), name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
+                        0600)) < 0 &&
+         errno == EINTR) {
+  }
+  const fs::path shown = dest.dir / name;
+  if (fd < 0) fail("create", shown, errno);
+  File f(fd, shown);
+  const FileIdentity id = f.identity();
+  TemporaryFile out(std::move(dest), std::move(f), name, id);
+  check_temporary(out.file_);
+  return out;
+}
+
+File TemporaryFile::open_created(const fs::path& dir, std::string_view name, const SharedIdentity& creator) {
+  ignore_sigxfsz();
+  require(is_temporary_name(name), Errc::io, "'", name, "' is not the name of a save's temporary file");
+  const Directory d = Directory::open(dir);
+  const std::string n(name);
+  int fd = -1;
+  while ((fd = ::openat(d.descriptor(), n.c_str(), O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC)) < 0 &&
+         errno == EINTR) {
+  }
+  const fs::path shown = d / name;
+  if (fd < 0) fail("open", shown, errno);
+  File f(fd, shown);
+  check_temporary(f);
+  require(same_file(shared_identity(f.identity()), creator), Errc::io, shown.string(),
+          " is not the temporary file rank 0 created: it was replaced");
+  return f;
+}
+
+TemporaryFile::TemporaryFile(TemporaryFile&& other) noexcept
+    : dest_(std::move(other.dest_)),
+      file_(std::move(other.file_)),
+      name_(std::move(other.name_)),
+      identity_(other.identity_),
+      pending_(std::exchange(other.pending_, false)) {}
+
+TemporaryFile& TemporaryFile::operator=(TemporaryFile&& other) noexcept {
+  if (this != &other) {
+    discard();
+    dest_ = std::move(other.dest_);
+    file_ = std::move(other.file_);
+    name_ = std::move(other.name_);
+    identity_ = other.identity_;
+    pending_ = std::exchange(other.pending_, false);
+  }
+  return *this;
+}
+
+TemporaryFile::~TemporaryFile() { discard(); }
+
+void TemporaryFile::commit() {
+  require(pending_, Errc::internal, "a temporary file committed twice");
+  dest_.require_replaceable();
+  const std::optional<FileStatus> old = dest_.dir.status(dest_.name);
+  if (old && old->kind == FileKind::regular) {
+    file_.set_mode(old->mode);
+    if (old->group != file_.status().group) file_.try_set_group(old->group);
+  } else {
+    file_.set_mode(new_file_mode());
+  }
+  file_.sync();
+  const std::optional<FileStatus> mine = dest_.dir.status(name_);
+  require(mine && mine->identity == identity_, Errc::io, "cannot commit ", dest_.path.string(), ": ",
+          file_.path().string(), " is no longer the file this save wrote (it was removed or replaced)");
+  if (::renameat(dest_.dir.descriptor(), name_.c_str(), dest_.dir.descriptor(), dest_.name.c_str()) != 0)
+    throw Error(Errc::io, cat("could not rename ", file_.path().string(), " to ", dest_.path.string(), ": ",
+                              std::strerror(errno)));
+  pending_ = false;
+  dest_.dir.sync();
+  file_.close();
+}
+
+void TemporaryFile::discard() noexcept {
+  if (!std::exchange(pending_, false)) return;
+  try {
+    const std::optional<FileStatus> mine = dest_.dir.status(name_);
+    if (mine && mine->identity == identity_) ::unlinkat(dest_.dir.descriptor(), name_.c_str(), 0);
+  } catch (const Error&) {
+  }
+  if (file_.is_open()) {
+    try {
+      file_.close();
+    } catch (const Error&) {
+    }
+  }
+}
+
+std::uint32_t new_file_mode() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.starts_with("Umask:")) {
+      const unsigned long mask = std::strtoul(line.c_str() + 6, nullptr, 8);
+      return static_cast<std::uint32_t>(0666 & ~mask);
+    }
+  return 0600;
+}
+
+void ensure_standard_descriptors() noexcept {
+  for (int fd = 0; fd <= 2; ++fd)
+    if (::fcntl(fd, F_GETFD) < 0 && errno == EBADF) {
+      const int opened = ::open("/dev/null", O_RDWR);
+      if (opened >= 0 && opened != fd) {
+        ::dup2(opened, fd);
+        ::close(opened);
+      }
+    }
 }
 
 fs::path follow_links(const fs::path& path) {

@@ -542,7 +542,23 @@ Values load_into(const fs::path& path, const StateDict& state, LoadOptions optio
   return load_with(reader, state, options, CheckpointKind::global);
 }
 
+// The host memory the destinations of `request` take, checked against what this process can have
+// before any of it is allocated.
+void require_memory_for(const StateDict& request) {
+  std::uint64_t bytes = 0;
+  const auto add = [&](const Extents& shape, DType dtype, std::string_view key) {
+    bytes = static_cast<std::uint64_t>(checked_add(
+        static_cast<std::int64_t>(bytes),
+        checked_mul(shape.elements(), static_cast<std::int64_t>(dtype_size(dtype)), cat("the bytes of ", key)),
+        "the bytes of a load"));
+  };
+  for (const ShardedTensor& t : request.tensors()) add(t.shape, t.dtype, t.key);
+  for (const ShardedParam& p : request.params()) add(p.shard_shape(), p.dtype, p.spec.key);
+  require_host_memory(bytes, "loading this rank's tensors");
+}
+
 Allocated allocate_destinations(const StateDict& request) {
+  require_memory_for(request);
   Allocated out;
   for (ShardedTensor t : request.tensors()) {
     if (t.shape.dims().size() == t.global_shape.size() &&
@@ -638,19 +654,17 @@ void save_local(const StateDict& state, const fs::path& path, IoMethod method) {
     if (!whole.empty()) specs.back().slabs.push_back({whole, units});
     units += units_of(whole);
   }
-  const fs::path target = io::follow_links(path);
-  const fs::path partial = partial_path(target);
   try {
+    io::TemporaryFile temp = io::TemporaryFile::create(io::Destination::of(path));
     const Skeleton skeleton =
-        create_skeleton(partial, specs, {CheckpointKind::local, plan.params, plan.common, io::random_id()}, units);
-    PieceWriter writer(partial, method, ChecksumSlot{skeleton.checksums_address, 0});
+        create_skeleton(temp.file(), specs, {CheckpointKind::local, plan.params, plan.common, io::random_id()}, units);
+    PieceWriter writer(temp.file(), method, ChecksumSlot{skeleton.checksums_address, 0});
     for (std::size_t n = 0; n < plan.items.size(); ++n)
       writer.write(skeleton.datasets[n], whole_box(plan.items[n].data.shape().dims()), plan.items[n].data);
     writer.finish();
-    mark_complete(partial, skeleton.data);
-    commit(partial, target);
+    mark_complete(temp.file(), skeleton.data);
+    temp.commit();
   } catch (Error& e) {
-    discard(partial);
     throw std::move(e.add_context(cat("while saving the local checkpoint ", path.string())));
   }
 }

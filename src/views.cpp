@@ -1,4 +1,8 @@
 module;
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -30,6 +34,24 @@ std::string memory_space_text(MemorySpace space) {
       return cat("device ", space.device);
   }
   return "?";
+}
+
+std::uint64_t host_memory_bytes() noexcept {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  std::uint64_t out = pages > 0 && page > 0 ? static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page)
+                                            : ~std::uint64_t{0};
+  for (const int limit : {RLIMIT_AS, RLIMIT_DATA}) {
+    struct rlimit rl{};
+    if (::getrlimit(limit, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY)
+      out = std::min<std::uint64_t>(out, static_cast<std::uint64_t>(rl.rlim_cur));
+  }
+  return out;
+}
+
+void require_host_memory(std::uint64_t bytes, std::string_view what) {
+  const std::uint64_t have = host_memory_bytes();
+  require(bytes <= have, Errc::resources, what, " needs ", bytes, " bytes of host memory, more than the ", have,
+          " this process can have");
 }
 
 BufferStats buffer_stats() noexcept { return {allocations.load(), allocated_bytes.load()}; }

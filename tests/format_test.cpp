@@ -11,6 +11,7 @@
 #include <fstream>
 #include <map>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -44,8 +45,8 @@ std::vector<DatasetSpec> two_datasets(bool chunked = false) {
 float out_value(std::size_t i) { return static_cast<float>(i) * 3; }
 
 // Writes every element of both datasets: z[i] = i + 0.5, out[i] = 3 i (flat indices).
-void write_all(const std::filesystem::path& file, IoMethod method, bool chunked = false,
-               std::map<std::string, CommonValue, std::less<>> common = {{"iteration", std::int64_t{7}}}) {
+void write_into(io::File& file, IoMethod method, bool chunked = false,
+                std::map<std::string, CommonValue, std::less<>> common = {{"iteration", std::int64_t{7}}}) {
   const Skeleton sk = create_skeleton(file, two_datasets(chunked),
                                       {CheckpointKind::global, {}, std::move(common), std::string(32, 'a')}, two_units);
   HostBuffer z = HostBuffer::zeros(DType::bf16, {6, 4});
@@ -65,6 +66,17 @@ void write_all(const std::filesystem::path& file, IoMethod method, bool chunked 
   w.write(sk.datasets[1], std::vector<std::int64_t>{0, 2, 0}, std::vector<std::int64_t>{5, 2, 2}, right.view());
   w.finish();
   mark_complete(file, sk.data);
+}
+
+void write_all(const std::filesystem::path& path, IoMethod method, bool chunked = false,
+               std::map<std::string, CommonValue, std::less<>> common = {{"iteration", std::int64_t{7}}}) {
+  io::File file = io::File::create(path);
+  write_into(file, method, chunked, std::move(common));
+}
+
+Skeleton skeleton_at(const std::filesystem::path& path, std::span<const DatasetSpec> datasets, std::int64_t units) {
+  io::File file = io::File::create(path);
+  return create_skeleton(file, datasets, {}, units);
 }
 
 std::vector<float> read_out(const CheckpointReader& r, ReadOptions options = {}) {
@@ -272,7 +284,7 @@ TEST(Format, FilesThatAreNotCompleteCheckpointsAreRefused) {
   std::ofstream(dir / "text.h5") << "not hdf5 at all";
   EXPECT_EQ(error_of([&] { CheckpointReader r(dir / "text.h5"); }).code(), Errc::not_a_checkpoint);
   // A skeleton that was never marked complete: a save that died half-way.
-  (void)create_skeleton(dir / "partial.h5", two_datasets(), {}, two_units);
+  (void)skeleton_at(dir / "partial.h5", two_datasets(), two_units);
   const Error e = error_of([&] { CheckpointReader r(dir / "partial.h5"); });
   EXPECT_EQ(e.code(), Errc::not_a_checkpoint);
   EXPECT_TRUE(contains(e.what(), "did not finish")) << e.what();
@@ -329,13 +341,27 @@ TEST(Format, TheSealCatchesDamagedMetadataBeforeHdf5ReadsIt) {
 TEST(Format, CommitReplacesAtomicallyAndDiscardCleansUp) {
   ScratchDir dir;
   const auto final_path = dir / "ckpt.h5";
-  write_all(partial_path(final_path), IoMethod::direct);
-  commit(partial_path(final_path), final_path);
-  EXPECT_FALSE(std::filesystem::exists(partial_path(final_path)));
+  {
+    io::TemporaryFile temp = io::TemporaryFile::create(io::Destination::of(final_path));
+    write_into(temp.file(), IoMethod::direct);
+    EXPECT_FALSE(std::filesystem::exists(final_path));
+    temp.commit();
+  }
+  EXPECT_TRUE(testing_support::temporary_files(dir.path()).empty());
   EXPECT_NO_THROW(CheckpointReader r(final_path));
-  (void)create_skeleton(partial_path(final_path), two_datasets(), {}, two_units);
-  discard(partial_path(final_path));
-  EXPECT_FALSE(std::filesystem::exists(partial_path(final_path)));
+  const std::string before = testing_support::file_bytes(final_path);
+  {
+    io::TemporaryFile temp = io::TemporaryFile::create(io::Destination::of(final_path));
+    (void)create_skeleton(temp.file(), two_datasets(), {}, two_units);
+    EXPECT_EQ(testing_support::temporary_files(dir.path()).size(), 1u);
+    temp.discard();
+    EXPECT_TRUE(testing_support::temporary_files(dir.path()).empty());
+  }
+  {
+    io::TemporaryFile temp = io::TemporaryFile::create(io::Destination::of(final_path));
+  }  // never committed: removed
+  EXPECT_TRUE(testing_support::temporary_files(dir.path()).empty());
+  EXPECT_EQ(testing_support::file_bytes(final_path), before);
 }
 
 TEST(Format, AReaderKeepsReadingTheFileItOpenedWhenThePathIsReplaced) {
@@ -344,7 +370,7 @@ TEST(Format, AReaderKeepsReadingTheFileItOpenedWhenThePathIsReplaced) {
   const CheckpointReader r(dir / "a.h5");
   write_all(dir / "b.h5", IoMethod::direct, false, {{"tag", std::string("new")}});
   std::filesystem::resize_file(dir / "b.h5", 4096);  // what the new file holds does not matter to r
-  commit(dir / "b.h5", dir / "a.h5");
+  std::filesystem::rename(dir / "b.h5", dir / "a.h5");
   EXPECT_EQ(std::get<std::string>(r.contents().common.at("tag")), "old");
   const auto v = read_out(r);
   for (std::size_t i = 0; i < v.size(); ++i) ASSERT_EQ(v[i], out_value(i)) << i;
@@ -355,12 +381,12 @@ TEST(Format, Hdf5ErrorsNameTheFileAndKey) {
   ScratchDir dir;
   const std::vector<DatasetSpec> dup{{"k", DType::f32, {2}, std::nullopt, {}, {}},
                                      {"k", DType::f32, {2}, std::nullopt, {}, {}}};
-  const Error e = error_of([&] { (void)create_skeleton(dir / "d.h5", dup, {}, 0); });
+  const Error e = error_of([&] { (void)skeleton_at(dir / "d.h5", dup, 0); });
   EXPECT_EQ(e.code(), Errc::hdf5);
   EXPECT_TRUE(contains(e.what(), "of key k in ") && contains(e.what(), "d.h5")) << e.what();
   EXPECT_EQ(error_of([&] {
-              (void)create_skeleton(dir / "bad.h5",
-                                    std::vector<DatasetSpec>{{"a/b", DType::f32, {2}, std::nullopt, {}, {}}}, {}, 0);
+              (void)skeleton_at(dir / "bad.h5", std::vector<DatasetSpec>{{"a/b", DType::f32, {2}, std::nullopt, {}, {}}},
+                                0);
             }).code(),
             Errc::invalid_argument);
 }
@@ -373,10 +399,12 @@ TEST(Format, ParamRecordsRoundTripAndPlanAtAnyTp) {
                        TpAxis::rows,
                        2};
   const ParamRecord rec = record_of(spec);
-  const Skeleton sk = create_skeleton(
-      dir / "p.h5", {}, {CheckpointKind::global, {rec}, {{"name", std::string("demo")}, {"lr", 0.5}}, std::string(32, 'b')},
-      0);
-  mark_complete(dir / "p.h5", sk.data);
+  {
+    io::File f = io::File::create(dir / "p.h5");
+    const Skeleton sk = create_skeleton(
+        f, {}, {CheckpointKind::global, {rec}, {{"name", std::string("demo")}, {"lr", 0.5}}, std::string(32, 'b')}, 0);
+    mark_complete(f, sk.data);
+  }
   const CheckpointReader r(dir / "p.h5");
   ASSERT_EQ(r.contents().params.size(), 1u);
   EXPECT_EQ(r.contents().params[0], rec);
@@ -402,8 +430,11 @@ TEST(Format, LargeParameterRecordsAndManyCommonValuesFitAndReadInLinearTime) {
                        {4096}});
   std::map<std::string, CommonValue, std::less<>> common{{"config", std::string(200'000, 'c')}};
   for (int i = 0; i < 20'000; ++i) common.emplace("value." + std::to_string(i), std::int64_t{i});
-  const Skeleton sk = create_skeleton(dir / "big.h5", {}, {CheckpointKind::global, records, common, std::string(32, 'c')}, 0);
-  mark_complete(dir / "big.h5", sk.data);
+  {
+    io::File f = io::File::create(dir / "big.h5");
+    const Skeleton sk = create_skeleton(f, {}, {CheckpointKind::global, records, common, std::string(32, 'c')}, 0);
+    mark_complete(f, sk.data);
+  }
   const CheckpointReader r(dir / "big.h5");
   EXPECT_EQ(r.contents().params, records);
   EXPECT_EQ(r.contents().common, common);

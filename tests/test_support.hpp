@@ -38,6 +38,16 @@ class ScratchDir {
   std::filesystem::path path_;
 };
 
+// The temporary files of saves (`.<name>.<32 hex digits>.partial`) in `dir`.
+inline std::vector<std::string> temporary_files(const std::filesystem::path& dir) {
+  std::vector<std::string> out;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    const std::string name = entry.path().filename().string();
+    if (name.size() > 42 && name[0] == '.' && name.ends_with(".partial")) out.push_back(name);
+  }
+  return out;
+}
+
 inline std::string file_bytes(const std::filesystem::path& p) {
   std::ifstream in(p, std::ios::binary);
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};

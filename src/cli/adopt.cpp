@@ -66,22 +66,15 @@ Runner add_adopt(CLI::App& app, Global& global) {
     const std::filesystem::path file = f->file;
     const std::filesystem::path out =
         f->out.empty() ? file.parent_path() / (file.stem().string() + ".shardckpt.h5") : std::filesystem::path(f->out);
-    adopt(file, out, m.records, m.common);
-    const CheckpointReader reader(out);
-    std::int64_t bytes = 0;
-    for (const DatasetInfo& d : reader.datasets())
-      bytes += element_count(d.shape) * static_cast<std::int64_t>(dtype_size(d.dtype));
+    const AdoptReport r = adopt(file, out, m.records, m.common);
     if (global.json)
-      print_json(nlohmann::json{{"file", f->file},
-                                {"out", out.string()},
-                                {"tensors", reader.datasets().size()},
-                                {"params", reader.params().size()},
-                                {"bytes", bytes}}
+      print_json(nlohmann::json{
+          {"file", f->file}, {"out", out.string()}, {"tensors", r.tensors}, {"params", r.params}, {"bytes", r.bytes}}
                      .dump());
     else
-      std::printf("adopted %s as %s: %zu tensors (%zu parameter records), %s checksummed; the bytes stay in %s\n",
-                  f->file.c_str(), out.c_str(), reader.datasets().size(), reader.params().size(),
-                  mib_text(bytes).c_str(), f->file.c_str());
+      std::printf("adopted %s as %s: %lld tensors (%lld parameter records), %s checksummed; the bytes stay in %s\n",
+                  f->file.c_str(), out.c_str(), static_cast<long long>(r.tensors), static_cast<long long>(r.params),
+                  mib_text(r.bytes).c_str(), f->file.c_str());
     return success;
   };
 }

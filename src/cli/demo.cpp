@@ -99,8 +99,8 @@ struct Checked {
   std::string first_mismatch;
 };
 
-Checked load_and_check(const DemoFlags& f, const demo::ModelConfig& config, const demo::Layout& layout,
-                       const Global& g) {
+Checked load_and_check(const DemoFlags& f, const CheckpointReader& reader, const demo::ModelConfig& config,
+                       const demo::Layout& layout, const Global& g) {
   Checked out;
   std::mutex m;
   const demo::Training training = f.training.get();
@@ -114,7 +114,7 @@ Checked load_and_check(const DemoFlags& f, const demo::ModelConfig& config, cons
     const StateDict model =
         demo::with_destinations(demo::request(config, layout, group.rank(), training), device.placement);
     const std::unique_ptr<ProcessGroup> replicas = replica_group(group, layout);
-    const Values values = load_into(f.out, model, group,
+    const Values values = load_into(reader, model, group,
                                     {.method = method_of(f.method),
                                      .progress = progress.callback(),
                                      .staging = device.staging()},
@@ -132,9 +132,9 @@ Checked load_and_check(const DemoFlags& f, const demo::ModelConfig& config, cons
   return out;
 }
 
-void report(const DemoFlags& f, const demo::ModelConfig& config, const demo::Layout& saved_at,
-            const demo::Layout& loaded_at, const Saved& s, const Checked& c, const Global& g) {
-  const CheckpointReader reader(f.out);
+void report(const DemoFlags& f, const CheckpointReader& reader, const demo::ModelConfig& config,
+            const demo::Layout& saved_at, const demo::Layout& loaded_at, const Saved& s, const Checked& c,
+            const Global& g) {
   const std::int64_t bytes = demo::model_bytes(config, f.training.get());
   const double save_gbps = static_cast<double>(bytes) / s.seconds / 1e9;
   const double load_gbps = static_cast<double>(bytes) / c.seconds / 1e9;
@@ -214,8 +214,10 @@ Runner add_demo(CLI::App& app, Global& global) {
     const demo::Layout saved_at = f->save.resolve();
     const demo::Layout loaded_at = reload_layout(*f, saved_at);
     const Saved s = save_model(*f, config, saved_at, global);
-    const Checked c = load_and_check(*f, config, loaded_at, global);
-    if (is_root(f->save.mpi)) report(*f, config, saved_at, loaded_at, s, c, global);
+    // One open of the checkpoint per process: its ranks load through it, and the report reads it.
+    const CheckpointReader reader(f->out);
+    const Checked c = load_and_check(*f, reader, config, loaded_at, global);
+    if (is_root(f->save.mpi)) report(*f, reader, config, saved_at, loaded_at, s, c, global);
     if (c.mismatches && is_root(f->save.mpi))
       std::cerr << "shardckpt: " << c.mismatches << " mismatches; first: " << c.first_mismatch << "\n";
     return c.mismatches ? mismatch : success;

@@ -62,7 +62,7 @@ Outcome run(const LoadFlags& f, const demo::Layout& layout, const CheckpointRead
         request_all(reader, {layout.tp, layout.gtp, layout.align, {c.tp, c.gtp}, c.dp, layout.dp, f.distributed}),
         device.placement);
     const std::unique_ptr<ProcessGroup> replicas = replica_group(group, layout);
-    (void)load_into(f.file, model, group,
+    (void)load_into(reader, model, group,
                     {.method = method_of(f.method),
                      .verify_checksums = !f.no_checksums,
                      .expect_id = reader.contents().id,

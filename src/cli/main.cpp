@@ -4,6 +4,8 @@
 #include <mpi.h>
 #endif
 
+#include <sys/resource.h>
+
 #include <cstring>
 #include <exception>
 #include <iostream>
@@ -12,6 +14,7 @@
 #include <string_view>
 import shardckpt;
 import shardckpt.cli;
+import shardckpt.io;
 
 namespace cli = shardckpt::cli;
 
@@ -37,9 +40,21 @@ bool wants_mpi(int argc, char** argv) {
   return false;
 }
 
+// Thread ranks each hold a few descriptors: the soft limit on them rises to the hard one.
+void raise_descriptor_limit() {
+  struct rlimit rl{};
+  if (::getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+    rl.rlim_cur = rl.rlim_max;
+    (void)::setrlimit(RLIMIT_NOFILE, &rl);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Before anything is opened: a closed standard stream must not become the checkpoint's descriptor.
+  shardckpt::io::ensure_standard_descriptors();
+  raise_descriptor_limit();
 #ifdef SHARDCKPT_HAVE_MPI
   const bool mpi = wants_mpi(argc, argv);
   // Async saves run collectives on a thread of their own.

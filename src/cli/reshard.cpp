@@ -41,17 +41,16 @@ Runner add_reshard(CLI::App& app, Global& global) {
       run_ranks(layout.ranks(), [&](ProcessGroup& group) {
         const ShardCoord coord{group.rank() / layout.gtp, group.rank() % layout.gtp};
         const StateDict request = request_all(reader, {layout.tp, layout.gtp, layout.align, coord, 0});
-        const LoadedState loaded = load(f->in, request, group,
-                                        {.verify_checksums = !f->no_checksums,
-                                         .expect_id = reader.contents().id,
-                                         .progress = loading.callback()});
+        // Records, common values and tensor bytes all come through the one open reader.
+        const LoadedState loaded =
+            load(reader, request, group, {.verify_checksums = !f->no_checksums, .progress = loading.callback()});
         StateDict state;
         for (const ShardedParam& p : request.params()) {
           ShardedParam entry = p;
           entry.shard = loaded.tensor(p.spec.key);
           state.add(std::move(entry));
         }
-        for (const auto& [key, value] : reader.contents().common) state.add_common(key, value);
+        for (const auto& [key, value] : loaded.values()) state.add_common(key, value);
         save(state, f->out, group, {.progress = saving.callback()});
       });
     }
