@@ -7,6 +7,7 @@
 //   replicas.cpp data-parallel copies: write balance and read amplification
 //   device.cpp   shards in device memory (emulated or CUDA) through a copy engine
 //   plan.cpp     planning at the seed's scale
+//   seed.cpp     the seed's geometry with narrow rows, saved and loaded by 512 thread ranks
 //   main.cpp     flags and the order of the phases
 #pragma once
 #include <atomic>
@@ -103,6 +104,7 @@ struct Options {
   std::string script;
   int dp = 4;                   // data-parallel copies of the replica phase (1: skip it)
   std::string device = "host";  // where the device phase's shards live (host: skip it)
+  std::string only;             // one phase alone (seed-geometry), for profiling it
   demo::Layout save_layout{2, 4, 32, 1};
   demo::Layout load_layout{1, 8, 16, 1};
   // A 2,048-wide model with the usual 2x inner expansion (d_inner = heads * head_dim = 4,096).
@@ -173,6 +175,19 @@ void measure_replicas(Run& run, Report& report);
 void check_device(const std::string& device);
 void measure_device(Run& run, Report& report);
 void measure_planning(Report& report);
+
+// The seed's geometry (SPEC.md): 72 GDP layers, heads 512 x 128, groups 256, state 128, 4
+// Householder steps, TP 8 x GTP 64 (512 ranks), alignment 32; in_proj has 61,760 TP-local rows.
+struct SeedGeometry {
+  SsmDims dims{.heads = 512, .head_dim = 128, .groups = 256, .state = 128, .householder = 4};
+  std::int64_t cols = 10240, align = 32;
+  int layers = 72, tp = 8, gtp = 64;
+  int ranks() const { return tp * gtp; }
+};
+// The fused weights (in_proj and conv1d) of the seed's geometry with 2 columns (406 MB of shards over
+// 512 thread ranks), saved and loaded back at the same layout: peak resident memory of the process,
+// and the seconds of each.
+void measure_seed_geometry(const fs::path& dir, Report& report);
 
 // h5py (writes.cpp): whether `python` has h5py, and one timed h5py save of the run's pieces.
 bool python_has_h5py(const std::string& python);

@@ -33,6 +33,7 @@ void add_flags(CLI::App& app, Options& o, bool& h5py_on, bool& h5py_off, bool& n
   app.add_option("--dp", o.dp, "data-parallel copies of the replica phase (1: skip it)")->capture_default_str()->check(CLI::Range(1, 64));
   app.add_option("--device", o.device, "where the device phase's shards live (host: skip it)")
       ->capture_default_str()->check(CLI::IsMember({"host", "emulated", "cuda"}));
+  app.add_option("--only", o.only, "run one phase alone")->check(CLI::IsMember({"seed-geometry"}));
   app.add_option("--tp", o.save_layout.tp, "TP of the save")->capture_default_str()->check(positive);
   app.add_option("--gtp", o.save_layout.gtp, "GTP of the save")->capture_default_str()->check(positive);
   app.add_option("--align", o.save_layout.align, "alignment of the save")->capture_default_str()->check(CLI::Range(0, 1 << 20));
@@ -93,6 +94,15 @@ int run(const Options& o) {
   ::mallopt(M_MMAP_THRESHOLD, 1 << 20);
   check_device(o.device);
   const Directory dir(o);
+  if (o.only == "seed-geometry") {
+    Report report;
+    measure_seed_geometry(dir.path, report);
+    if (o.json_out)
+      std::cout << report.to_json().dump() << "\n";
+    else
+      report.print_table();
+    return report.to_json().value("seed_geometry_mismatches", 0.0) > 0 ? 1 : 0;
+  }
   Run run(o, dir.path);
   Report report;
   describe_model(run, report);
@@ -102,6 +112,8 @@ int run(const Options& o) {
   measure_device(run, report);
   run.progress("planning at the seed's scale");
   measure_planning(report);
+  run.progress("the seed's geometry with narrow rows at 512 thread ranks");
+  measure_seed_geometry(run.dir, report);
   const json j = report.to_json();
   if (o.json_out) {
     std::cout << j.dump() << "\n";
@@ -110,7 +122,8 @@ int run(const Options& o) {
     report.print_table();
     std::printf("  targets: %s\n", report.targets_met() ? "all met" : "NOT all met");
   }
-  const double mismatches = j.value("mismatches", 0.0) + j.value("replica_mismatches", 0.0) + j.value("device_mismatches", 0.0);
+  const double mismatches = j.value("mismatches", 0.0) + j.value("replica_mismatches", 0.0) +
+                            j.value("device_mismatches", 0.0) + j.value("seed_geometry_mismatches", 0.0);
   if (mismatches > 0) std::cerr << "shardckpt-bench: loaded values differ from the pattern\n";
   return mismatches > 0 ? 1 : 0;
 }

@@ -10,13 +10,8 @@
 namespace bench {
 namespace {
 
-struct Seed {
-  // H = 4 Householder steps: (H + 1) * (dI + gS + nH) = 5 * (8192 + 4096 + 64) = 61,760 TP-local rows.
-  SsmDims dims{.heads = 512, .head_dim = 128, .groups = 256, .state = 128, .householder = 4};
-  std::int64_t cols = 10240, align = 32;
-  int layers = 72, tp = 8, gtp = 64;
-  int ranks() const { return tp * gtp; }
-};
+// H = 4 Householder steps: (H + 1) * (dI + gS + nH) = 5 * (8192 + 4096 + 64) = 61,760 TP-local rows.
+using Seed = SeedGeometry;
 
 // plan_rank of the 72 in_proj weights on every rank (best of 5 passes): microseconds per rank, and
 // pieces per rank.

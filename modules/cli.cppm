@@ -108,6 +108,13 @@ struct TrainingFlags {
   demo::Training get() const;
 };
 
+// The request of thread rank (or MPI rank) `rank` for every tensor of `reader` at `layout`.
+StateDict request_of(const CheckpointReader& reader, const demo::Layout& layout, int rank, bool distributed);
+// Refuses (Errc::resources, naming the bytes) a load whose shards, on all the ranks this process
+// runs (one with --mpi), need more host memory than the process can have: before anything is
+// allocated, not when a rank runs out of it.
+void require_memory(const CheckpointReader& reader, const demo::Layout& layout, bool mpi, bool distributed);
+
 // The group of this rank's data-parallel copies (its TP and GTP ranks at every DP rank), ranked by
 // DP rank (collective over `group`).
 std::unique_ptr<ProcessGroup> replica_group(ProcessGroup& group, const demo::Layout& layout);

@@ -46,6 +46,9 @@ class ProcessGroup {
   // Whether a thread may run collectives on this group while other threads use other groups of
   // the same process (what an async save does).
   virtual bool supports_background() const { return true; }
+  // Whether every member is a thread of this process (they may then share objects, such as one open
+  // checkpoint, instead of each holding its own).
+  virtual bool threads_of_one_process() const { return false; }
 
  protected:
   // Every rank's bytes, in rank order, on every rank (or at `root` only), for the library's
@@ -72,6 +75,7 @@ class SoloGroup final : public ProcessGroup {
  public:
   int rank() const override { return 0; }
   int size() const override { return 1; }
+  bool threads_of_one_process() const override { return true; }
   void barrier() override {}
   std::unique_ptr<ProcessGroup> split(int color, int key) override;
   void all_gather_rows(MutTensorView rows, std::span<const std::int64_t> counts) override;
@@ -134,8 +138,9 @@ void save(const StateDict& state, const std::filesystem::path& path, ProcessGrou
 void save(const StateDict& state, const std::filesystem::path& path, SaveOptions options = {});
 
 // Every rank loads its own part at its own layout, concurrently; every rank gets the same outcome.
-// Each rank opens the checkpoint once, and all ranks must have opened the same one: a path replaced
-// between two ranks' opens is Errc::replaced, never a mix. With `replicas` (this rank's group of
+// Each rank opens the checkpoint once (ranks that are threads of one process share one open
+// reader), and all ranks must have opened the same one: a path replaced between two ranks' opens
+// is Errc::replaced, never a mix. With `replicas` (this rank's group of
 // data-parallel copies, ranked by replica id), the copies of a shard each read a share of its rows
 // from the file and receive the others' through the group: each byte is read once per group.
 Values load_into(const std::filesystem::path& path, const StateDict& state, ProcessGroup& group,

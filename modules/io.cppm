@@ -176,7 +176,8 @@ bool plain_name(std::string_view name) noexcept;
 struct Destination {
   Directory dir;
   std::string name;
-  std::filesystem::path path;  // the resolved path, for messages
+  std::filesystem::path path;  // the resolved path
+  std::string shown;           // the path as given, and the link's target if it is a link, for messages
 
   // Throws Errc::invalid_argument when the path names something a save must not replace (a
   // directory, FIFO, socket or device), Errc::io when its directory cannot be opened.

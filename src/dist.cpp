@@ -119,10 +119,12 @@ Bytes outcome(const std::function<Bytes()>& step) {
     return w.take();
   };
   try {
-    Writer w;
-    w.u8(1);
-    w.bytes(step());
-    return w.take();
+    const Bytes payload = step();
+    Bytes out;  // sized once: a rank's planning payload is gathered at rank 0 with every other's
+    out.reserve(payload.size() + 1);
+    out.push_back(std::byte{1});
+    out.insert(out.end(), payload.begin(), payload.end());
+    return out;
   } catch (const Error& e) {
     return failure(e.code(), e.what());
   } catch (const std::bad_alloc& e) {
@@ -517,6 +519,7 @@ class ThreadMember final : public ProcessGroup {
 
   int rank() const override { return me_; }
   int size() const override { return shared_->size; }
+  bool threads_of_one_process() const override { return true; }
   void barrier() override {
     shared_->exchange(me_, {}, [](std::vector<Bytes>&, std::uint64_t) { return 0; });
   }
@@ -627,6 +630,10 @@ void run_ranks(int ranks, const std::function<void(ProcessGroup&)>& fn) {
       threads.emplace_back([&, r] {
         try {
           fn(group.member(r));
+        } catch (const std::bad_alloc&) {
+          errors[static_cast<std::size_t>(r)] =
+              std::make_exception_ptr(Error(Errc::resources, cat("rank ", r, " ran out of memory")));
+          group.abort(cat("rank ", r, " ran out of memory"));
         } catch (const std::exception& e) {
           errors[static_cast<std::size_t>(r)] = std::current_exception();
           group.abort(cat("rank ", r, " failed: ", e.what()));
@@ -799,16 +806,16 @@ void save_with(const std::function<SavePlan()>& make_plan, const fs::path& path,
     phase(SavePhase::planning);
     // 1. Every rank's claims reach rank 0 only, which validates them all together before anything
     // touches the disk and creates the file with every dataset at its global shape.
-    const Bytes verdict = decide_at_root(
-        group, "planning, validating and creating the checkpoint",
-        [&] {
-          plan = make_plan();
-          return planning_payload(plan, me);
-        },
-        [&](const std::vector<std::span<const std::byte>>& payloads) {
-          return create_checkpoint(payloads, path, options, dest);
-        });
-    const Created created = read_verdict(verdict, plan, me, group.size(), dest);
+    const Created created = read_verdict(decide_at_root(
+                                             group, "planning, validating and creating the checkpoint",
+                                             [&] {
+                                               plan = make_plan();
+                                               return planning_payload(plan, me);
+                                             },
+                                             [&](const std::vector<std::span<const std::byte>>& payloads) {
+                                               return create_checkpoint(payloads, path, options, dest);
+                                             }),
+                                         plan, me, group.size(), dest);
     // 2. Every rank writes and syncs its pieces.
     phase(SavePhase::writing);
     write_pieces(group, plan, created, dest, options);
@@ -831,25 +838,32 @@ void save_with(const std::function<SavePlan()>& make_plan, const fs::path& path,
 
 // Opens the checkpoint at `path` on every rank. Rank 0 checks the whole seal of the file's
 // metadata; the others then only that their file has the seal rank 0 checked, so that the whole
-// metadata is read once, not once per rank.
-CheckpointReader open_agreed(const fs::path& path, ProcessGroup& group) {
-  std::optional<CheckpointReader> reader;
+// metadata is read once, not once per rank. Ranks that are threads of one process share rank 0's
+// reader: one open file, one HDF5 file and its caches, one copy of each slab table, for all of them.
+std::shared_ptr<const CheckpointReader> open_agreed(const fs::path& path, ProcessGroup& group) {
+  std::shared_ptr<const CheckpointReader> reader;
+  const bool share = group.threads_of_one_process();
   const Bytes sealed = decide_at_root(
       group, cat("opening ", path.string()),
       [&] {
-        if (group.rank() == 0) reader.emplace(path);
+        if (group.rank() == 0) reader = std::make_shared<const CheckpointReader>(path);
         return Bytes();
       },
       [&](const std::vector<std::span<const std::byte>>&) {
         Writer w;
         w.i64(static_cast<std::int64_t>(reader->seal().value_or(0)));
+        w.i64(static_cast<std::int64_t>(reinterpret_cast<std::uintptr_t>(&reader)));
         return w.take();
       });
-  const auto seal = static_cast<std::uint64_t>(Reader(sealed).i64());
+  Reader r(sealed);
+  const auto seal = static_cast<std::uint64_t>(r.i64());
+  const auto* root = reinterpret_cast<const std::shared_ptr<const CheckpointReader>*>(static_cast<std::uintptr_t>(r.i64()));
   agree(group, cat("opening ", path.string()), [&] {
-    if (group.rank() != 0) reader.emplace(path, OpenOptions{.trusted_seal = seal});
+    if (group.rank() == 0) return;
+    // Rank 0's `reader` lives until this phase has ended on every rank.
+    reader = share ? *root : std::make_shared<const CheckpointReader>(path, OpenOptions{.trusted_seal = seal});
   });
-  return std::move(*reader);
+  return reader;
 }
 
 // Every rank opened the checkpoint on its own (or was given one reader): they must all have opened
@@ -917,8 +931,8 @@ Values load_into(const CheckpointReader& reader, const StateDict& state, Process
 
 Values load_into(const fs::path& path, const StateDict& state, ProcessGroup& group, LoadOptions options,
                  ProcessGroup* replicas) {
-  const CheckpointReader reader = open_agreed(path, group);
-  return load_into(reader, state, group, std::move(options), replicas);
+  const std::shared_ptr<const CheckpointReader> reader = open_agreed(path, group);
+  return load_into(*reader, state, group, std::move(options), replicas);
 }
 
 LoadedState load(const CheckpointReader& reader, const StateDict& request, ProcessGroup& group, LoadOptions options,

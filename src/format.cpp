@@ -674,8 +674,14 @@ struct PieceWriter::Impl {
   std::unique_ptr<hdf5::Channel> channel;  // hyperslab path
   Hid h5;                                  // hyperslab path
   std::map<std::string, Hid, std::less<>> sets;
-  std::vector<std::uint64_t> hashes;
+  std::vector<std::uint64_t> hashes;  // not yet in the table
+  std::int64_t hashes_written = 0;    // units of this writer already in the table
   BytesDone progress;
+
+  // The checksums computed so far go to their place in the table: a writer holds at most
+  // hash_batch of them, whatever the number of rows it writes.
+  static constexpr std::size_t hash_batch = 8192;
+  void flush_hashes();
 
   hid_t dataset(const std::string& key, const Where& w) {
     auto it = sets.find(key);
@@ -705,6 +711,24 @@ PieceWriter::~PieceWriter() {
   impl_->h5 = Hid();
 }
 
+void PieceWriter::Impl::flush_hashes() {
+  if (hashes.empty()) return;
+  const Where w{path, "", "write the checksums"};
+  const auto n = static_cast<std::int64_t>(hashes.size());
+  const std::int64_t first = checksums->first_unit + hashes_written;
+  if (method == IoMethod::direct) {
+    file.pwrite_all(hashes.data(), hashes.size() * sizeof(std::uint64_t),
+                    checksums->table_address + static_cast<std::uint64_t>(first) * sizeof(std::uint64_t));
+  } else {
+    const std::int64_t total = hdf5::shape_of(dataset(checksums_set, w), w, Errc::hdf5).at(0);
+    require(first + n <= total, Errc::internal, "checksums past the end of the table");
+    hdf5::write_box(dataset(checksums_set, w), DType::u64, std::vector<std::int64_t>{total}, {{first, first + n}, {0, 1}},
+                    hashes.data(), w);
+  }
+  hashes_written += n;
+  hashes.clear();
+}
+
 void PieceWriter::write(const DatasetInfo& d, const Box& box, TensorView src) {
   Impl& m = *impl_;
   check_box(d, box, src.dtype(), src.bytes(), m.path);
@@ -720,8 +744,10 @@ void PieceWriter::write(const DatasetInfo& d, const Box& box, TensorView src) {
     const std::byte* p = bytes + (r0 - box.rows.begin) * row_bytes;
     // Each row's checksum is taken just before its bytes go out, while they are in cache.
     if (m.checksums)
-      for (std::int64_t r = 0; r < batch.rows.size(); ++r)
+      for (std::int64_t r = 0; r < batch.rows.size(); ++r) {
         m.hashes.push_back(row_hash(p + r * row_bytes, static_cast<std::size_t>(row_bytes)));
+        if (m.hashes.size() == Impl::hash_batch) m.flush_hashes();
+      }
     if (m.method == IoMethod::direct)
       transfer(m.file.path(), d.extents, es, batch, p, row_bytes,
                [&](const std::byte* q, std::size_t run, std::size_t rows, std::uint64_t at, std::int64_t file_stride) {
@@ -743,20 +769,7 @@ void PieceWriter::write(const DatasetInfo& d, std::span<const std::int64_t> offs
 
 void PieceWriter::finish() {
   Impl& m = *impl_;
-  const Where w{m.path, "", "write the checksums"};
-  if (!m.hashes.empty()) {
-    const auto n = static_cast<std::int64_t>(m.hashes.size());
-    const std::int64_t first = m.checksums->first_unit;
-    if (m.method == IoMethod::direct) {
-      m.file.pwrite_all(m.hashes.data(), m.hashes.size() * sizeof(std::uint64_t),
-                        m.checksums->table_address + static_cast<std::uint64_t>(first) * sizeof(std::uint64_t));
-    } else {
-      const std::int64_t total = hdf5::shape_of(m.dataset(checksums_set, w), w, Errc::hdf5).at(0);
-      require(first + n <= total, Errc::internal, "checksums past the end of the table");
-      hdf5::write_box(m.dataset(checksums_set, w), DType::u64, std::vector<std::int64_t>{total},
-                      {{first, first + n}, {0, 1}}, m.hashes.data(), w);
-    }
-  }
+  m.flush_hashes();
   if (m.method == IoMethod::hyperslab) {
     for (auto& [key, set] : m.sets) set.close({m.path, key, "write a piece"});
     m.sets.clear();
@@ -1187,6 +1200,8 @@ const std::vector<Slab>& CheckpointReader::Impl::slabs_for(Entry& e) {
       refuse(cat("dataset ", d.key, " has no slab table in /_shardckpt/slabs, so its bytes cannot be checked"));
     const std::vector<std::int64_t> table = hdf5::read_ints(group.get(), d.key.c_str(), 5, max_slab_values, w, no);
     std::vector<OwnedBox> boxes;
+    boxes.reserve(table.size() / 5);
+    slabs.reserve(table.size() / 5);
     for (std::size_t i = 0; i < table.size(); i += 5) {
       const Slab s{{{table[i], table[i + 1]}, {table[i + 2], table[i + 3]}}, table[i + 4]};
       const bool inside = s.box.rows.begin >= 0 && s.box.rows.begin < s.box.rows.end &&
@@ -1205,6 +1220,7 @@ const std::vector<Slab>& CheckpointReader::Impl::slabs_for(Entry& e) {
     });
   }
   std::int64_t reach = 0;
+  e.slab_reach.reserve(slabs.size());
   for (const Slab& s : slabs) e.slab_reach.push_back(reach = std::max(reach, s.box.rows.end));
   return *(e.slabs = std::move(slabs));
 }

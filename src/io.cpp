@@ -515,6 +515,7 @@ Destination Destination::of(const fs::path& path) {
           ": it does not name a file in a directory");
   d.dir = Directory::open(target.parent_path());
   d.path = target;
+  d.shown = target == path ? path.string() : cat(path.string(), " (a link to ", target.string(), ")");
   d.require_replaceable();
   return d;
 }
@@ -522,7 +523,7 @@ Destination Destination::of(const fs::path& path) {
 void Destination::require_replaceable() const {
   const std::optional<FileStatus> st = dir.status(name);
   require(!st || st->kind == FileKind::regular || st->kind == FileKind::symlink, Errc::invalid_argument,
-          "cannot save to ", path.string(), ": it is ", file_kind_name(st ? st->kind : FileKind::other),
+          "cannot save to ", shown, ": it is ", file_kind_name(st ? st->kind : FileKind::other),
           ", and a save replaces only regular files");
 }
 

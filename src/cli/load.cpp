@@ -56,11 +56,9 @@ Outcome run(const LoadFlags& f, const demo::Layout& layout, const CheckpointRead
   ProgressLine progress("loading", model / (f.layout.mpi ? layout.ranks() : 1), g, is_root(f.layout.mpi));
   const auto t0 = std::chrono::steady_clock::now();
   run_job(f.layout.mpi, layout.ranks(), [&](ProcessGroup& group) {
-    const demo::RankCoord c = demo::coord_of(layout, group.rank());
     const RankDevice device = open_device(f.device.device, group.rank(), model / layout.ranks());
-    const StateDict model = demo::with_destinations(
-        request_all(reader, {layout.tp, layout.gtp, layout.align, {c.tp, c.gtp}, c.dp, layout.dp, f.distributed}),
-        device.placement);
+    const StateDict model =
+        demo::with_destinations(request_of(reader, layout, group.rank(), f.distributed), device.placement);
     const std::unique_ptr<ProcessGroup> replicas = replica_group(group, layout);
     (void)load_into(reader, model, group,
                     {.method = method_of(f.method),
@@ -107,6 +105,7 @@ Runner add_load(CLI::App& app, Global& global) {
   return [f, &global] {
     const demo::Layout layout = f->layout.resolve();
     const CheckpointReader reader(f->file);
+    require_memory(reader, layout, f->layout.mpi, f->distributed);
     const std::optional<demo::ModelConfig> demo_model = demo::config_of(reader.contents());
     const bool checksums = reader.checksummed() && !f->no_checksums;
     const Outcome o = run(*f, layout, reader, demo_model, global);

@@ -32,6 +32,7 @@ Runner add_reshard(CLI::App& app, Global& global) {
   return [f, &global] {
     const demo::Layout layout = f->layout.resolve();
     const CheckpointReader reader(f->in);
+    require_memory(reader, layout, false, false);
     std::int64_t bytes = 0;
     for (const DatasetInfo& d : reader.datasets())
       bytes += element_count(d.shape) * static_cast<std::int64_t>(dtype_size(d.dtype));

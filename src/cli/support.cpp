@@ -149,6 +149,26 @@ demo::Training TrainingFlags::get() const {
   return {optimizer == "adam", distributed};
 }
 
+StateDict request_of(const CheckpointReader& reader, const demo::Layout& layout, int rank, bool distributed) {
+  const demo::RankCoord c = demo::coord_of(layout, rank);
+  return request_all(reader, {layout.tp, layout.gtp, layout.align, {c.tp, c.gtp}, c.dp, layout.dp, distributed});
+}
+
+void require_memory(const CheckpointReader& reader, const demo::Layout& layout, bool mpi, bool distributed) {
+  std::int64_t bytes = 0;
+  for (int rank = 0; rank < (mpi ? 1 : layout.ranks()); ++rank) {
+    const StateDict request = request_of(reader, layout, rank, distributed);
+    for (const ShardedParam& p : request.params())
+      bytes = checked_add(bytes,
+                          checked_mul(p.shard_shape().elements(), static_cast<std::int64_t>(dtype_size(p.dtype)),
+                                      cat("the shard bytes of ", p.spec.key)),
+                          "the shard bytes of the load");
+  }
+  require_host_memory(static_cast<std::uint64_t>(bytes),
+                      cat("loading ", reader.path().string(), " at ", demo::layout_text(layout),
+                          mpi ? "" : cat(" on ", layout.ranks(), " thread ranks")));
+}
+
 std::unique_ptr<ProcessGroup> replica_group(ProcessGroup& group, const demo::Layout& layout) {
   const demo::RankCoord c = demo::coord_of(layout, group.rank());
   return group.split(c.tp * layout.gtp + c.gtp, c.dp);

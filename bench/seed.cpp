@@ -1,0 +1,140 @@
+// The seed's geometry with narrow rows: the fused in_proj (61,760 TP-local rows, 15 blocks) and
+// conv1d (9 blocks) of 72 GDP layers at TP 8 x GTP 64 (alignment 32), 2 columns, saved by 512 thread
+// ranks and loaded back by them. Every rank holds 144 small shards of many blocks: what the library
+// keeps per rank and per dataset (HDF5 caches, slab tables, plans) shows here, next to shards of
+// only 392 MB. The row-parallel out_proj is left out: at 2 columns it has 2 rows, padded to 2,048 per
+// TP rank, which is 18.8 GB of pad rows (the alignment's cost, not the library's).
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "bench.hpp"
+
+namespace bench {
+namespace {
+
+std::vector<ParamSpec> seed_specs(const SeedGeometry& g) {
+  std::vector<ParamSpec> out;
+  for (int layer = 0; layer < g.layers; ++layer) {
+    const std::string prefix = cat("decoder.layers.", layer, ".mixer.");
+    out.push_back({prefix + "in_proj.weight", gdp_in_proj_sections(g.dims, g.tp), {2}, TpAxis::rows, g.tp});
+    out.push_back({prefix + "conv1d.weight", gdp_conv1d_sections(g.dims, g.tp), {1, 4}, TpAxis::rows, g.tp});
+  }
+  return out;
+}
+
+ShardedParam param_of(const SeedGeometry& g, const ParamSpec& spec, int rank) {
+  return {spec, g.gtp, g.align, {rank / g.gtp, rank % g.gtp}, DType::bf16};
+}
+
+// A shard's byte i is (rank + parameter + i) mod 251 in its real rows: what the load checks.
+std::byte value_at(int rank, std::size_t param, std::size_t i) {
+  return static_cast<std::byte>((static_cast<std::size_t>(rank) + param + i) % 251);
+}
+
+std::size_t real_bytes(const SeedGeometry& g, const ParamSpec& spec, int rank, TensorView shard) {
+  const ShardedParam p = param_of(g, spec, rank);
+  return static_cast<std::size_t>(plan_rank(p.spec, p.gtp, p.align, p.coord).real_rows) * shard.row_bytes();
+}
+
+// What a phase run in a child process of its own reports: its resident memory at its highest
+// (VmHWM: the whole process, from its start), its seconds, and a count (bytes, mismatches).
+struct Outcome {
+  std::int64_t peak_rss = 0;
+  double seconds = 0;
+  std::int64_t count = 0;
+};
+
+// Runs `phase` (which returns its count) in a fresh child process, so that its peak is its own and
+// not what an earlier phase left in the allocator.
+Outcome in_child(const std::function<std::int64_t()>& phase) {
+  int fds[2];
+  if (::pipe(fds) != 0) die("pipe");
+  const pid_t pid = ::fork();
+  if (pid < 0) die("fork");
+  if (pid == 0) {
+    ::close(fds[0]);
+    Outcome out;
+    int status = 0;
+    try {
+      out.seconds = timed([&] { out.count = phase(); });
+      out.peak_rss = proc_status_bytes("VmHWM:");
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "shardckpt-bench: seed geometry: %s\n", e.what());
+      status = 1;
+    }
+    const bool sent = ::write(fds[1], &out, sizeof out) == static_cast<ssize_t>(sizeof out);
+    ::_exit(status == 0 && sent ? 0 : 1);
+  }
+  ::close(fds[1]);
+  Outcome out;
+  const bool got = ::read(fds[0], &out, sizeof out) == static_cast<ssize_t>(sizeof out);
+  ::close(fds[0]);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  require(got && WIFEXITED(status) && WEXITSTATUS(status) == 0, Errc::internal,
+          "the seed-geometry phase failed in its child process");
+  return out;
+}
+
+}  // namespace
+
+void measure_seed_geometry(const fs::path& dir, Report& report) {
+  const SeedGeometry g{.cols = 2};
+  const std::vector<ParamSpec> specs = seed_specs(g);
+  const fs::path path = dir / "seed-geometry.h5";
+  const Outcome saved = in_child([&] {
+    std::atomic<std::int64_t> bytes{0};
+    run_ranks(g.ranks(), [&](ProcessGroup& group) {
+      StateDict state;
+      for (std::size_t i = 0; i < specs.size(); ++i) {
+        ShardedParam p = param_of(g, specs[i], group.rank());
+        const SharedBuffer shard = SharedBuffer::zeros(p.dtype, p.shard_shape());
+        std::byte* out = shard.mut_view().data();
+        const std::size_t real = real_bytes(g, specs[i], group.rank(), shard.view());
+        for (std::size_t b = 0; b < real; ++b) out[b] = value_at(group.rank(), i, b);
+        bytes += static_cast<std::int64_t>(shard.bytes());
+        p.shard = shard;
+        state.add(std::move(p));
+      }
+      save(state, path, group);
+    });
+    return bytes.load();
+  });
+  const Outcome loaded = in_child([&] {
+    std::atomic<std::int64_t> mismatches{0};
+    run_ranks(g.ranks(), [&](ProcessGroup& group) {
+      StateDict request;
+      for (const ParamSpec& spec : specs) request.add(param_of(g, spec, group.rank()));
+      const LoadedState state = load(path, request, group);
+      for (std::size_t i = 0; i < specs.size(); ++i) {
+        const TensorView shard = state.tensor(specs[i].key).view();
+        const std::size_t real = real_bytes(g, specs[i], group.rank(), shard);
+        for (std::size_t b = 0; b < shard.bytes(); ++b)
+          if (shard.data()[b] != (b < real ? value_at(group.rank(), i, b) : std::byte{0})) {
+            ++mismatches;
+            break;
+          }
+      }
+    });
+    return mismatches.load();
+  });
+  const std::int64_t peak = std::max(saved.peak_rss, loaded.peak_rss);
+  const std::int64_t file_bytes = static_cast<std::int64_t>(fs::file_size(path));
+  remove_file(path);
+  report.add("seed_geometry_peak_rss_bytes", static_cast<double>(peak), "< 2 GiB", peak < 2 * 1024 * MiB);
+  report.add("seed_geometry_save_seconds", saved.seconds,
+             cat("(", g.layers, " layers x 2 fused weights, 2 columns, TP ", g.tp, " x GTP ", g.gtp, ", A ", g.align,
+                 ": ", g.ranks(), " thread ranks)"));
+  report.add("seed_geometry_load_seconds", loaded.seconds, "(the same layout, every byte checked)");
+  report.set("seed_geometry_save_peak_rss_bytes", saved.peak_rss);
+  report.set("seed_geometry_load_peak_rss_bytes", loaded.peak_rss);
+  report.set("seed_geometry_shard_bytes", saved.count);
+  report.set("seed_geometry_file_bytes", file_bytes);
+  report.set("seed_geometry_datasets", specs.size() / 2 * (3 * g.dims.householder + 3 + 2 * g.dims.householder + 1));
+  report.set("seed_geometry_mismatches", loaded.count);
+}
+
+}  // namespace bench
