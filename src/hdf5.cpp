@@ -143,6 +143,10 @@ herr_t driver_get_handle(H5FD_t* f, hid_t, void** handle) {
   return 0;
 }
 
+// The failure of the last read the driver made on this thread, for the HDF5 call it made fail: an
+// Error of the library (a changed file, an I/O error) is what that call reports, not HDF5's stack.
+thread_local std::optional<Error> failed_read;
+
 herr_t driver_read(H5FD_t* f, H5FD_mem_t, hid_t, haddr_t addr, size_t size, void* buf) {
   DriverFile& file = *as_file(f);
   if (addr == HADDR_UNDEF || addr > max_address || size > max_address - addr) return -1;
@@ -155,6 +159,7 @@ herr_t driver_read(H5FD_t* f, H5FD_mem_t, hid_t, haddr_t addr, size_t size, void
       std::memset(static_cast<std::byte*>(buf) + got, 0, size - got);
     }
   } catch (Error& e) {
+    failed_read = e;
     file.channel->record_read_failure(std::move(e));
     return -1;
   }
@@ -275,8 +280,12 @@ Hid file_access(Channel& channel, const Where& w) {
 }  // namespace
 
 void fail(const Where& w, Errc code) {
-  throw Error(code, cat("HDF5 could not ", w.op, w.key.empty() ? "" : " of key ", w.key, " in ", w.file.string(), ": ",
-                        stack_text()));
+  const std::string where = cat("HDF5 could not ", w.op, w.key.empty() ? "" : " of key ", w.key, " in ", w.file.string());
+  if (std::optional<Error> read = std::exchange(failed_read, std::nullopt)) {
+    H5Eclear2(H5E_DEFAULT);
+    throw Error(read->code(), cat(where, ": ", read->message()));
+  }
+  throw Error(code, cat(where, ": ", stack_text()));
 }
 
 Hid::Hid(Hid&& o) noexcept : id_(std::exchange(o.id_, H5I_INVALID_HID)), close_(o.close_) {}
@@ -347,6 +356,7 @@ Hid open_file(Channel& channel, bool writable, Errc code) {
   if (id < 0) {
     if (channel.read_failure()) {
       H5Eclear2(H5E_DEFAULT);
+      failed_read.reset();
       throw *channel.read_failure();
     }
     fail(w, code);

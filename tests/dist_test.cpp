@@ -551,3 +551,44 @@ TEST(ReplicaReads, ACopyThatReadsItsOwnShareFillsOnlyThoseRows) {
   }
   EXPECT_GT(untouched_rows, 0);
 }
+
+// Ranks that load through readers they opened themselves must hold the same checkpoint, in content
+// as well as in id: a copy that shares the id (another tool's, without the seal) is refused on every
+// rank, never read beside the original.
+TEST(Consistency, RanksWhoseReadersHoldDifferentFilesWithOneIdAreRefused) {
+  ScratchDir dir;
+  SharedBuffer b = SharedBuffer::zeros(DType::i64, {8, 4});
+  StateDict s;
+  s.add(ShardedTensor::of("t", b, {8, 4}, {0, 0}));
+  save(s, dir / "a.h5");
+  std::filesystem::copy_file(dir / "a.h5", dir / "copy.h5");
+  // The same bytes without the seal's trailer: what a copy by another tool looks like to a reader.
+  const CheckpointReader a(dir / "a.h5");
+  const std::uint64_t sealed = a.seal().has_value() ? std::filesystem::file_size(dir / "a.h5") : 0;
+  ASSERT_GT(sealed, 0u);
+  std::filesystem::resize_file(dir / "copy.h5", sealed - 48);
+  const CheckpointReader copy(dir / "copy.h5");
+  ASSERT_EQ(copy.contents().id, a.contents().id);
+  ASSERT_NE(copy.fingerprint(), a.fingerprint());
+  std::vector<Errc> codes(2, Errc::internal);
+  try {
+    run_ranks(2, [&](ProcessGroup& g) {
+      StateDict request;
+      request.add(ShardedTensor::expect("t", DType::i64, {4, 4}, {8, 4}, {4 * g.rank(), 0}));
+      try {
+        (void)load(g.rank() == 0 ? a : copy, request, g);
+      } catch (const Error& e) {
+        codes[static_cast<std::size_t>(g.rank())] = e.code();
+      }
+    });
+  } catch (const Error& e) {
+    ADD_FAILURE() << e.what();
+  }
+  EXPECT_EQ(codes, std::vector<Errc>(2, Errc::replaced));
+  // Both ranks through one reader: loads.
+  run_ranks(2, [&](ProcessGroup& g) {
+    StateDict request;
+    request.add(ShardedTensor::expect("t", DType::i64, {4, 4}, {8, 4}, {4 * g.rank(), 0}));
+    EXPECT_NO_THROW((void)load(a, request, g));
+  });
+}

@@ -100,7 +100,7 @@ constexpr const char* version1_metadata = R"(
     m.attrs["complete"] = np.int64(1)
 )";
 
-bool contains(std::string_view text, std::string_view part) { return text.find(part) != std::string_view::npos; }
+using testing_support::contains;
 
 // Byte address of the first element of a contiguous dataset, through h5py.
 std::uint64_t data_address(const std::filesystem::path& file, const std::string& key) {
@@ -635,4 +635,63 @@ TEST(Format, TheFuzzersInputsAreRefusedOrReadWithoutCrashing) {
       ++replayed;
     }
   EXPECT_GT(replayed, 0);
+}
+
+// What a reader checked when it opened the file is what HDF5 reads later: a file changed in place
+// (not replaced) under an open reader is an error, never bytes HDF5 parses unchecked.
+TEST(Format, AFileChangedInPlaceUnderAReaderIsAnErrorNeverACrash) {
+  ScratchDir dir;
+  const auto file = dir / "c.h5";
+  write_all(file, IoMethod::direct);
+  const std::string good = testing_support::file_bytes(file);
+  const std::uint64_t digest = *CheckpointReader(file).seal();
+  // The datasets' headers are read on first use: after the open, scribble over every byte between the
+  // superblock and the seal's trailer (in place: the reader's descriptor sees the new bytes).
+  const auto scribbled = [&](std::optional<std::uint64_t> trusted) {
+    std::ofstream(file, std::ios::binary) << good;
+    const CheckpointReader r(file, {.trusted_seal = trusted});
+    {
+      std::fstream f(file, std::ios::binary | std::ios::in | std::ios::out);
+      f.seekp(512);
+      f << std::string(good.size() - 512 - 2048, '\xAB');
+    }
+    return error_of([&] {
+      const DatasetInfo& d = r.dataset("w.out");
+      (void)read_out(r);
+      (void)d;
+    });
+  };
+  for (const std::optional<std::uint64_t> trusted : {std::optional<std::uint64_t>{}, std::optional(digest)}) {
+    const Error e = scribbled(trusted);
+    EXPECT_EQ(e.code(), Errc::corrupt) << e.what();
+    EXPECT_TRUE(contains(e.what(), "changed after it was sealed")) << e.what();
+  }
+  // Truncated in place under the reader: the same.
+  std::ofstream(file, std::ios::binary) << good;
+  const CheckpointReader r(file);
+  std::filesystem::resize_file(file, 1024);
+  EXPECT_EQ(error_of([&] { (void)read_out(r); }).code(), Errc::corrupt);
+}
+
+// Virtual datasets read as fill values where their sources are missing, and as another file's bytes
+// where they are not: never read.
+TEST(Format, VirtualDatasetsAreRefused) {
+  if (!have_python_module("h5py")) GTEST_SKIP() << "h5py is missing";
+  ScratchDir dir;
+  ASSERT_EQ(run_python(std::string(R"(
+import h5py, numpy as np, sys, os
+d = os.path.dirname(sys.argv[1])
+with h5py.File(os.path.join(d, "source.h5"), "w") as s:
+    s["x"] = np.arange(8, dtype=np.float32).reshape(4, 2)
+layout = h5py.VirtualLayout(shape=(4, 2), dtype=np.float32)
+layout[...] = h5py.VirtualSource(os.path.join(d, "source.h5"), "x", shape=(4, 2))
+with h5py.File(sys.argv[1], "w") as f:
+    f.create_virtual_dataset("w", layout, fillvalue=-1)
+)") + version1_metadata,
+                       (dir / "virtual.h5").string()),
+            0);
+  const CheckpointReader r(dir / "virtual.h5");
+  const Error e = error_of([&] { (void)r.dataset("w"); });
+  EXPECT_EQ(e.code(), Errc::not_a_checkpoint);
+  EXPECT_TRUE(contains(e.what(), "virtual dataset")) << e.what();
 }

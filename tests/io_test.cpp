@@ -1,7 +1,9 @@
-// Tests for shardckpt.io's bulk reads: every range, alignment and row pattern reads the file's
-// bytes whether it bypasses the page cache or not; the end of the file is the same error either
-// way; a bypassing reader leaves the page cache empty; a replaced path is never read.
+// Tests for shardckpt.io. Bulk reads: every range, alignment and row pattern reads the file's bytes
+// whether it bypasses the page cache or not; the end of the file is the same error either way; a
+// bypassing reader leaves the page cache empty; a replaced path is never read. Names nobody can
+// plant: temporary files, their commit, destinations and directories held open.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -19,6 +21,7 @@ import shardckpt;
 import shardckpt.io;
 
 using namespace shardckpt;
+using testing_support::contains;
 using testing_support::error_of;
 using testing_support::cached_pages_after;
 using testing_support::direct_io_possible;
@@ -177,4 +180,106 @@ TEST(BulkReader, AReplacedPathIsNeverReadAroundTheCache) {
   std::vector<std::byte> out(file_size);
   reader.read(out.data(), file_size, 0);
   EXPECT_EQ(out, first);
+}
+
+// ---- names nobody can plant ---------------------------------------------------------------------
+
+namespace {
+
+std::uint32_t mode_of(const std::filesystem::path& p) {
+  struct stat st{};
+  EXPECT_EQ(0, ::lstat(p.c_str(), &st)) << p;
+  return static_cast<std::uint32_t>(st.st_mode & 07777);
+}
+
+}  // namespace
+
+TEST(TemporaryFile, IsCreatedUnderAFreshNameAndCommittedWithTheModeOfWhatItReplaces) {
+  ScratchDir dir;
+  const auto path = dir / "ckpt.h5";
+  io::TemporaryFile temp = io::TemporaryFile::create(io::Destination::of(path));
+  EXPECT_TRUE(io::is_temporary_name(temp.name())) << temp.name();
+  EXPECT_TRUE(temp.name().starts_with(".ckpt.h5.")) << temp.name();
+  EXPECT_EQ(mode_of(dir / temp.name()), 0600u);  // nobody else reads it while it is written
+  EXPECT_NE(io::temporary_name_for("ckpt.h5"), io::temporary_name_for("ckpt.h5"));
+  temp.file().pwrite_all("new", 3, 0);
+  EXPECT_FALSE(std::filesystem::exists(path));
+  temp.commit();
+  EXPECT_EQ(testing_support::file_bytes(path), "new");
+  EXPECT_EQ(mode_of(path), io::new_file_mode());
+  EXPECT_TRUE(testing_support::temporary_files(dir.path()).empty());
+  // A replaced checkpoint's mode stays.
+  ASSERT_EQ(0, ::chmod(path.c_str(), 0640));
+  io::TemporaryFile again = io::TemporaryFile::create(io::Destination::of(path));
+  again.commit();
+  EXPECT_EQ(mode_of(path), 0640u);
+}
+
+TEST(TemporaryFile, ACommitChecksThatItsNameStillNamesTheFileItWrote) {
+  ScratchDir dir;
+  const auto path = dir / "ckpt.h5";
+  std::ofstream(path) << "old";
+  io::TemporaryFile temp = io::TemporaryFile::create(io::Destination::of(path));
+  temp.file().pwrite_all("mine", 4, 0);
+  // Someone puts another file under the temporary file's name.
+  std::ofstream(dir / "other") << "planted";
+  std::filesystem::rename(dir / "other", dir / temp.name());
+  const Error e = error_of([&] { temp.commit(); });
+  EXPECT_EQ(e.code(), Errc::io);
+  EXPECT_TRUE(contains(e.what(), "no longer the file this save wrote")) << e.what();
+  EXPECT_EQ(testing_support::file_bytes(path), "old");
+  // Discarding leaves the planted file alone: only the file this process created is removed.
+  temp.discard();
+  EXPECT_EQ(testing_support::file_bytes(dir / temp.name()), "planted");
+}
+
+TEST(TemporaryFile, OtherRanksOpenOnlyTheFileTheCreatorMade) {
+  ScratchDir dir;
+  io::TemporaryFile temp = io::TemporaryFile::create(io::Destination::of(dir / "ckpt.h5"));
+  EXPECT_NO_THROW((void)io::TemporaryFile::open_created(dir.path(), temp.name(), temp.identity()));
+  // The same name, another file (the creator's file is still open, so the inode is not reused): refused.
+  std::ofstream(dir / "other") << "planted";
+  std::filesystem::rename(dir / "other", dir / temp.name());
+  const Error e = error_of([&] { (void)io::TemporaryFile::open_created(dir.path(), temp.name(), temp.identity()); });
+  EXPECT_EQ(e.code(), Errc::io);
+  EXPECT_TRUE(contains(e.what(), "is not the temporary file rank 0 created")) << e.what();
+  // A link at the name is not followed.
+  std::filesystem::remove(dir / temp.name());
+  std::filesystem::create_symlink(dir / "elsewhere", dir / temp.name());
+  EXPECT_EQ(error_of([&] { (void)io::TemporaryFile::open_created(dir.path(), temp.name(), temp.identity()); }).code(),
+            Errc::io);
+  EXPECT_FALSE(std::filesystem::exists(dir / "elsewhere"));
+}
+
+TEST(Destination, RefusesAnythingButARegularFileAndFollowsLinksToOne) {
+  ScratchDir dir;
+  ASSERT_EQ(0, ::mkfifo((dir / "fifo").c_str(), 0600));
+  std::filesystem::create_directory(dir / "d");
+  std::filesystem::create_symlink(dir / "fifo", dir / "link-to-fifo");
+  for (const char* name : {"fifo", "d", "link-to-fifo"}) {
+    const Error e = error_of([&] { (void)io::Destination::of(dir / name); });
+    EXPECT_EQ(e.code(), Errc::invalid_argument) << name;
+    EXPECT_TRUE(contains(e.what(), "a save replaces only regular files")) << e.what();
+  }
+  std::ofstream(dir / "real.h5") << "x";
+  std::filesystem::create_symlink(dir / "real.h5", dir / "link.h5");
+  EXPECT_EQ(io::Destination::of(dir / "link.h5").name, "real.h5");
+  EXPECT_EQ(io::Destination::of(dir / "new.h5").name, "new.h5");  // a new file is fine
+}
+
+TEST(Directory, OpensOnlyRegularFilesWithoutFollowingLinksOrBlocking) {
+  ScratchDir dir;
+  std::ofstream(dir / "plain") << "bytes";
+  ASSERT_EQ(0, ::mkfifo((dir / "fifo").c_str(), 0600));
+  std::filesystem::create_symlink(dir / "plain", dir / "link");
+  std::filesystem::create_directory(dir / "d");
+  const io::Directory d = io::Directory::open(dir.path());
+  EXPECT_EQ(d.open_regular("plain", Errc::not_a_checkpoint).size(), 5u);
+  // A FIFO would block a plain open forever; it is refused at once.
+  for (const char* name : {"fifo", "link", "d", "../plain", "missing"})
+    EXPECT_NE(error_of([&] { (void)d.open_regular(name, Errc::not_a_checkpoint); }).code(), Errc::internal) << name;
+  EXPECT_EQ(error_of([&] { (void)d.open_regular("fifo", Errc::not_a_checkpoint); }).code(), Errc::not_a_checkpoint);
+  EXPECT_EQ(error_of([&] { (void)d.open_regular("link", Errc::not_a_checkpoint); }).code(), Errc::not_a_checkpoint);
+  EXPECT_EQ(error_of([&] { (void)d.open_regular("../plain", Errc::not_a_checkpoint); }).code(),
+            Errc::not_a_checkpoint);
 }

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <string>
+#include <string_view>
 #include <filesystem>
 #include <functional>
 #include <fstream>
@@ -47,6 +48,8 @@ inline std::vector<std::string> temporary_files(const std::filesystem::path& dir
   }
   return out;
 }
+
+inline bool contains(std::string_view text, std::string_view part) { return text.find(part) != std::string_view::npos; }
 
 inline std::string file_bytes(const std::filesystem::path& p) {
   std::ifstream in(p, std::ios::binary);
