@@ -3,7 +3,7 @@
 
 Single-user part (default, `--part single`):
   - permissions: a new checkpoint gets 0666 less the umask; a replaced one keeps its mode and group;
-  - only regular files are replaced: a FIFO, a socket, a directory, a link to /dev/null or a
+  - only regular files are replaced: a FIFO, a socket, a directory, a link to a device or a
     character device at the output path is refused (exit 2) and left as it was; a link to a regular
     file has its target replaced;
   - adopt never replaces its own input (same name, a symbolic link to it, a hard link to it);
@@ -405,7 +405,14 @@ def only_regular_files():
     os.mkdir(d)
     plain_in(d)
     null_before = os.stat("/dev/null")
-    kinds = ["fifo", "socket", "directory", "symlink to /dev/null"] + (["character device"] if is_root else [])
+    # The link points at a device (or, without root, a FIFO) of the test's own: never at /dev/null
+    # itself, which a tool that replaces what it is given would destroy for the whole machine.
+    link_target = os.path.join(d, "private-null")
+    if is_root:
+        os.mknod(link_target, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    else:
+        os.mkfifo(link_target)
+    kinds = ["fifo", "socket", "directory", "symlink to a device"] + (["character device"] if is_root else [])
     sockets = []
     for which in ["demo", "reshard", "adopt"]:
         for kind in kinds:
@@ -418,8 +425,8 @@ def only_regular_files():
                 sockets.append(s)
             elif kind == "directory":
                 os.mkdir(out)
-            elif kind == "symlink to /dev/null":
-                os.symlink("/dev/null", out)
+            elif kind == "symlink to a device":
+                os.symlink(link_target, out)
             else:
                 os.mknod(out, stat.S_IFCHR | 0o666, os.makedev(1, 3))
             before = identity(out)
@@ -428,17 +435,20 @@ def only_regular_files():
             r = run(save_cmd(which, out, d), timeout=20)
             if expect(r, 2, what):
                 # The path as given, or (for the link) the file it names, which is what is refused.
-                named = os.path.basename(out) in r.err or (kind == "symlink to /dev/null" and "/dev/null" in r.err)
+                named = os.path.basename(out) in r.err
                 check(named, f"{what}: the error does not name the path: {r.err.strip()}")
             check(identity(out) == before, f"{what}: the {kind} was replaced or changed")
             if kind == "directory":
                 check(os.listdir(out) == [], f"{what}: something was written into the directory")
+            linked = os.stat(link_target)
+            check(stat.S_ISCHR(linked.st_mode) if is_root else stat.S_ISFIFO(linked.st_mode),
+                  f"{what}: the device a link points at was replaced")
             null = os.stat("/dev/null")
             check(stat.S_ISCHR(null.st_mode) and null.st_rdev == null_before.st_rdev and null.st_ino == null_before.st_ino,
                   f"{what}: /dev/null is no longer the character device")
             name = os.path.basename(out)
-            check(temporaries(d, name) == [] and temporaries("/dev", "null") == [] and not os.path.lexists(out + ".partial"),
-                  f"{what}: temporary files left: {temporaries(d, name) + temporaries('/dev', 'null')}")
+            check(temporaries(d, name) == [] and temporaries(d, "private-null") == [] and not os.path.lexists(out + ".partial"),
+                  f"{what}: temporary files left: {temporaries(d, name) + temporaries(d, 'private-null')}")
         # A symbolic link to a regular file: its target is replaced, the link stays a link.
         target = os.path.join(d, f"{which}-target.h5")
         link = os.path.join(d, f"{which}-link.h5")
