@@ -119,7 +119,7 @@ struct Options {
 // GDP and Mamba layers (3:1) of `shape`, as many as bring the saved bytes closest to `target`.
 demo::ModelConfig bench_config(demo::ModelConfig shape, std::int64_t target);
 std::vector<demo::RankModel> build_models(const demo::ModelConfig& c, const demo::Layout& l,
-                                          const std::function<demo::Placement(int)>& placement = {});
+                                          const std::function<demo::ShardMemory(int)>& placement = {});
 
 // Every figure of a run, in order: the JSON object and the table print the same list.
 class Report {

@@ -56,7 +56,7 @@ Ranks device_ranks(Run& run) {
   const int n = run.sl().ranks();
   for (int r = 0; r < n; ++r) d.engines.push_back(make_engine(run.o.device, r));
   d.models = build_models(run.config, run.sl(), [&](int r) {
-    return demo::Placement{MemoryKind::device, d.engines[static_cast<std::size_t>(r)].get()};
+    return demo::ShardMemory{MemoryKind::device, d.engines[static_cast<std::size_t>(r)].get()};
   });
   d.savers.resize(static_cast<std::size_t>(n));
   run_ranks(n, [&](ProcessGroup& g) {

@@ -41,10 +41,10 @@ demo::ModelConfig bench_config(demo::ModelConfig c, std::int64_t target) {
 }
 
 std::vector<demo::RankModel> build_models(const demo::ModelConfig& c, const demo::Layout& l,
-                                          const std::function<demo::Placement(int)>& placement) {
+                                          const std::function<demo::ShardMemory(int)>& placement) {
   std::vector<demo::RankModel> models(static_cast<std::size_t>(l.ranks()));
   parallel_for(l.ranks(), [&](int r) {
-    models[static_cast<std::size_t>(r)] = demo::build_rank(c, l, r, {}, placement ? placement(r) : demo::Placement{});
+    models[static_cast<std::size_t>(r)] = demo::build_rank(c, l, r, {}, placement ? placement(r) : demo::ShardMemory{});
   });
   return models;
 }

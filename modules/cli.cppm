@@ -89,7 +89,7 @@ struct DeviceFlags {
 // pinned pool that loads into device memory stream through.
 struct RankDevice {
   std::unique_ptr<CopyEngine> engine;
-  demo::Placement placement;
+  demo::ShardMemory placement;
   std::optional<StagingPool> pool;
   const StagingPool* staging() const { return pool ? &*pool : nullptr; }
 };

@@ -71,7 +71,7 @@ std::int64_t model_bytes(const ModelConfig& config, const Training& training = {
 
 // Where a rank's shards live: host, pinned host or device memory (for pinned and device memory,
 // the engine that allocates and moves it; pinned without one is locked host memory).
-struct Placement {
+struct ShardMemory {
   MemoryKind memory = MemoryKind::host;
   CopyEngine* engine = nullptr;
 };
@@ -83,14 +83,14 @@ struct RankModel {
   std::int64_t pad_rows = 0;  // pad rows this rank holds (never saved)
 };
 RankModel build_rank(const ModelConfig& config, const Layout& layout, int rank, const Training& training = {},
-                     Placement placement = {});
+                     ShardMemory placement = {});
 // The load request of one rank: the same entries, without data.
 StateDict request(const ModelConfig& config, const Layout& layout, int rank, const Training& training = {});
 // A request's entries with the tensors of a load as their data.
 StateDict attach(const StateDict& request, const LoadedState& loaded);
 // A request's entries with shards to load into, in `placement`'s memory, every byte 0xff (so that a
 // load must write every one): what a trainer's model is to load_into.
-StateDict with_destinations(const StateDict& request, Placement placement = {});
+StateDict with_destinations(const StateDict& request, ShardMemory placement = {});
 
 struct Verification {
   std::int64_t values = 0;    // elements compared

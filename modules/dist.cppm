@@ -116,7 +116,7 @@ enum class SavePhase : std::uint8_t { planning, writing, committing, committed }
 std::string_view save_phase_name(SavePhase phase) noexcept;
 
 struct SaveOptions {
-  IoMethod method = IoMethod::direct;
+  IoMethod method = IoMethod::raw;
   // Checksum every written row (docs/format.md). Off, loads cannot check the bytes they read and
   // say so; rank 0's choice holds for the whole save.
   bool checksums = true;

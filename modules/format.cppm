@@ -58,10 +58,10 @@ struct PiecePlacement {
 // of the checksum of its first row in the checkpoint's checksum table; its other rows follow.
 struct Slab {
   Box box;
-  std::int64_t first_unit = 0;
+  std::int64_t first_checksum = 0;
 };
-// Checksum units of a box: one per row, none for an empty box.
-std::int64_t units_of(const Box& box);
+// Checksummed rows of a box: one per row, none for an empty box.
+std::int64_t checksum_rows_of(const Box& box);
 
 // A dataset whose bytes stay in another file (HDF5 external storage): `file` is a plain file name
 // in the checkpoint's own directory, `offset` where the row-major bytes begin (see adopt()).
@@ -80,16 +80,16 @@ struct DatasetSpec {
   std::optional<ExternalData> external = {};  // adopted files only
 };
 
-// The datasets of a validated claim set, one per key in key order. `first_units[i]` is where the
+// The datasets of a validated claim set, one per key in key order. `first_checksums[i]` is where the
 // checksums of claims[i] start (ignored for replicas and empty claims). The chunking policy: a
 // dataset whose pieces all split dim 1 into equal, aligned bands (row-parallel weights under TP) is
 // chunked one band wide, so that each band's rows are contiguous bytes; the rest are contiguous.
-std::vector<DatasetSpec> datasets_of(std::span<const Claim> claims, std::span<const std::int64_t> first_units);
+std::vector<DatasetSpec> datasets_of(std::span<const Claim> claims, std::span<const std::int64_t> first_checksums);
 
 // Raw data the direct path can address: the elements `box` of a dataset, stored row-major from
 // `address` with rows of box.cols.size() elements. A contiguous dataset is one extent; a chunked one
 // has one per chunk (an edge chunk's box reaches past the data).
-struct Extent {
+struct RawRegion {
   Box box;
   std::uint64_t address = 0;
 };
@@ -100,7 +100,7 @@ struct DatasetInfo {
   std::string key;
   DType dtype = DType::f32;
   std::vector<std::int64_t> shape;
-  std::vector<Extent> extents;
+  std::vector<RawRegion> extents;
   std::optional<PiecePlacement> placement;
 };
 
@@ -116,7 +116,7 @@ struct CheckpointContents {
   bool checksummed = true;
 };
 
-enum class IoMethod : std::uint8_t { direct, hyperslab };
+enum class IoMethod : std::uint8_t { raw, hyperslab };
 
 // Told how many more bytes of tensor data were written or read (progress reports).
 using BytesDone = std::function<void(std::int64_t bytes)>;
@@ -137,16 +137,16 @@ struct Skeleton {
 };
 
 // Writes into the empty file `file` (a save's temporary file, io::TemporaryFile) every dataset
-// allocated at its full shape, unwritten, a checksum table of `units` entries (none unless
+// allocated at its full shape, unwritten, a checksum table of `checksum_rows` entries (none unless
 // contents.checksummed), and the metadata, but does not mark it complete. Every write error (a full
 // disk, a file-size limit, EIO) is an Error{Errc::io}; nothing of HDF5 stays open afterwards.
 Skeleton create_skeleton(io::File& file, std::span<const DatasetSpec> datasets, const CheckpointContents& contents,
-                         std::int64_t units);
+                         std::int64_t checksum_rows);
 
 // Where a writer's checksums go: the table's address in the file and the writer's first unit.
 struct ChecksumSlot {
   std::uint64_t table_address = 0;
-  std::int64_t first_unit = 0;
+  std::int64_t first_checksum = 0;
 };
 
 // Writes pieces into a skeleton and the checksum of every row it writes. Writes copy nothing: HDF5
@@ -183,7 +183,7 @@ class PieceWriter {
 void mark_complete(io::File& file, std::span<const ByteRange> data);
 
 struct ReadOptions {
-  IoMethod method = IoMethod::direct;
+  IoMethod method = IoMethod::raw;
   // Check every byte read against its checksum (Errc::corrupt on a mismatch).
   bool verify = true;
   BytesDone progress = {};
@@ -258,7 +258,7 @@ struct VerifyReport {
   bool checksummed = true;
   std::int64_t datasets = 0;
   std::int64_t bytes = 0;
-  std::int64_t units = 0;       // rows checked
+  std::int64_t checksum_rows = 0;  // rows checked
   std::int64_t mismatches = 0;  // rows whose bytes differ from their checksum
   std::vector<std::string> problems;  // the first few, naming key and rows
 };
@@ -280,8 +280,8 @@ AdoptReport adopt(const std::filesystem::path& plain, const std::filesystem::pat
                   const std::vector<ParamRecord>& records, const std::map<std::string, CommonValue, std::less<>>& common);
 // Parameter records as JSON text (the `params` attribute of docs/format.md), and back; throws
 // Errc::invalid_argument for text that does not hold valid records.
-std::string records_text(const std::vector<ParamRecord>& records);
-std::vector<ParamRecord> records_of(std::string_view json_text);
+std::string records_json(const std::vector<ParamRecord>& records);
+std::vector<ParamRecord> parse_records(std::string_view json_text);
 
 // Reads every byte of every tensor of the checkpoint and checks it against its checksum.
 // `progress(bytes_done, bytes_total)` is called as it goes.

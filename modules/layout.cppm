@@ -15,15 +15,16 @@ import shardckpt.core;
 
 export namespace shardckpt {
 
-// Half-open range of rows [begin, end).
-struct RowRange {
+// A half-open range [begin, end) of indices: rows, columns (flattened trailing elements), elements of
+// a flattened shard, bytes of a file. The one range of the library.
+struct Range {
   std::int64_t begin = 0;
   std::int64_t end = 0;
 
   constexpr std::int64_t size() const noexcept { return end > begin ? end - begin : 0; }
   constexpr bool empty() const noexcept { return end <= begin; }
-  constexpr RowRange intersect(RowRange o) const noexcept { return {std::max(begin, o.begin), std::min(end, o.end)}; }
-  friend constexpr bool operator==(RowRange, RowRange) = default;
+  constexpr Range intersect(Range o) const noexcept { return {std::max(begin, o.begin), std::min(end, o.end)}; }
+  friend constexpr bool operator==(Range, Range) = default;
 };
 
 // GTP geometry of one parameter of R rows over a group of G ranks with alignment A (SPEC.md,
@@ -42,11 +43,11 @@ class GtpGeometry {
   constexpr std::int64_t pad() const noexcept { return pad_; }
   constexpr std::int64_t shard_rows() const noexcept { return shard_rows_; }
 
-  constexpr RowRange padded_rows(std::int64_t g) const noexcept { return {g * shard_rows_, (g + 1) * shard_rows_}; }
+  constexpr Range padded_rows(std::int64_t g) const noexcept { return {g * shard_rows_, (g + 1) * shard_rows_}; }
   constexpr std::int64_t real_count(std::int64_t g) const noexcept {
     return std::clamp<std::int64_t>(rows_ - g * shard_rows_, 0, shard_rows_);
   }
-  constexpr RowRange real_rows(std::int64_t g) const noexcept {
+  constexpr Range real_rows(std::int64_t g) const noexcept {
     return {g * shard_rows_, g * shard_rows_ + real_count(g)};
   }
   constexpr bool padding_only(std::int64_t g) const noexcept { return real_count(g) == 0; }
@@ -114,7 +115,7 @@ std::string block_key(std::string_view param_key, std::string_view name);
 // TP run writes.
 struct Block {
   std::string key;
-  RowRange local_rows;  // TP-local rows of the weight
+  Range local_rows;  // TP-local rows of the weight
   std::vector<std::int64_t> global_shape;
 };
 std::vector<Block> blocks(const ParamSpec& spec);
@@ -162,8 +163,8 @@ RankPlan plan_rank(const ParamSpec& spec, std::int64_t gtp, std::int64_t align, 
 
 // The rectangle a piece covers in its dataset viewed as (dim 0, flattened trailing elements).
 struct Box {
-  RowRange rows;
-  RowRange cols;
+  Range rows;
+  Range cols;
 
   constexpr bool empty() const noexcept { return rows.empty() || cols.empty(); }
   constexpr Box intersect(const Box& o) const noexcept { return {rows.intersect(o.rows), cols.intersect(o.cols)}; }
@@ -191,7 +192,7 @@ struct Claim {
 };
 
 // Member `index` of `count`'s part of [0, n), when n is split as evenly as possible, in order.
-RowRange balanced_share(std::int64_t n, std::int64_t count, std::int64_t index);
+Range balanced_share(std::int64_t n, std::int64_t count, std::int64_t index);
 
 // Part of a piece that a flat range of its shard covers: `box` in the piece's dataset, whose first
 // element is element `range_offset` of the range.
@@ -202,7 +203,7 @@ struct FlatPart {
 // The boxes that the elements [range.begin, range.end) of a padded shard (flattened row by row,
 // `row_elems` elements a row) cover of `piece`: at most three (a partial first row, whole rows, a
 // partial last row), in order.
-std::vector<FlatPart> flat_parts(const Piece& piece, std::int64_t row_elems, RowRange range);
+std::vector<FlatPart> flat_parts(const Piece& piece, std::int64_t row_elems, Range range);
 // The elements of a box (rows x columns), checked.
 std::int64_t box_elements(const Box& box);
 

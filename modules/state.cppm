@@ -47,13 +47,6 @@ struct ShardedTensor {
                               std::vector<std::int64_t> global_offset, int replica_id = 0, int replicas = 1);
 };
 
-// Elements [begin, end) of a padded shard flattened row by row: the part of a parameter that one
-// data-parallel rank of a distributed optimizer owns (as Megatron's distributed optimizer does).
-struct FlatRange {
-  std::int64_t begin = 0;
-  std::int64_t end = 0;
-};
-
 // A GTP-sharded parameter as one rank holds it: the factory of SPEC.md. `shard` is the padded shard
 // (pad rows zero), or with `flat` the 1-D tensor of that range of it.
 struct ShardedParam {
@@ -64,7 +57,9 @@ struct ShardedParam {
   DType dtype = DType::f32;
   int replica_id = 0;  // which of `replicas` data-parallel copies of this shard this is
   int replicas = 1;    // each copy writes a balanced share of the shard's real rows
-  std::optional<FlatRange> flat = {};
+  // Elements [begin, end) of the padded shard flattened row by row: the part of the parameter that one
+  // data-parallel rank of a distributed optimizer owns (as Megatron's distributed optimizer does).
+  std::optional<Range> flat = {};
   TensorRef shard = {};
 
   GtpGeometry geometry() const { return GtpGeometry::make(spec.rows(), gtp, align); }
@@ -76,7 +71,7 @@ struct ShardedParam {
 
 // The flat range of `rank` of `ranks` data-parallel ranks of a distributed optimizer: a balanced,
 // contiguous share of the padded shard's elements.
-FlatRange distributed_range(const ShardedParam& param, int rank, int ranks);
+Range distributed_range(const ShardedParam& param, int rank, int ranks);
 
 // The prefix of optimizer state keys.
 inline constexpr std::string_view optimizer_state_prefix = "optimizer.state.";
@@ -164,7 +159,7 @@ class LoadedState {
 };
 
 struct LoadOptions {
-  IoMethod method = IoMethod::direct;
+  IoMethod method = IoMethod::raw;
   // Check every byte read against the checksum saved with it: a mismatch is Errc::corrupt naming
   // the file, the key and the rows. Off only to read a damaged checkpoint on purpose.
   bool verify_checksums = true;
@@ -240,7 +235,7 @@ StateDict request_all(const CheckpointReader& reader, const LoadLayout& layout);
 // The per-rank path: a rank saves its own preprocessed state (its pieces at their local shapes) to
 // its own file, and loads it back at the same layout. A padding-only rank's parameters are not in
 // the file: the load rebuilds their placeholders from the request.
-void save_local(const StateDict& state, const std::filesystem::path& path, IoMethod method = IoMethod::direct);
+void save_local(const StateDict& state, const std::filesystem::path& path, IoMethod method = IoMethod::raw);
 LoadedState load_local(const std::filesystem::path& path, const StateDict& request, LoadOptions options = {});
 Values load_local_into(const std::filesystem::path& path, const StateDict& state, LoadOptions options = {});
 

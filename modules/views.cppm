@@ -124,7 +124,7 @@ class BasicView {
   constexpr bool empty() const noexcept { return bytes() == 0; }
 
   // Rows [lo, hi) of the same memory. Throws Errc::invalid_argument when out of range.
-  constexpr BasicView rows(std::int64_t lo, std::int64_t hi) const {
+  constexpr BasicView slice_rows(std::int64_t lo, std::int64_t hi) const {
     if (lo < 0 || lo > hi || hi > rows())
       throw Error(Errc::invalid_argument, cat("rows [", lo, ", ", hi, ") are outside a view of ", rows(), " rows"));
     return BasicView(data_ + static_cast<std::size_t>(lo) * row_bytes(), dtype_, shape_.with_rows(hi - lo), space_);

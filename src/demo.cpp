@@ -172,7 +172,7 @@ void fill(MutTensorView shard, std::int64_t at, std::int64_t n, std::uint64_t se
 }
 
 // Memory for a shard in `placement`'s memory, its bytes unset.
-SharedBuffer allocate(DType dtype, const Extents& shape, const Placement& placement) {
+SharedBuffer allocate(DType dtype, const Extents& shape, const ShardMemory& placement) {
   const std::size_t bytes = static_cast<std::size_t>(shape.elements()) * dtype_size(dtype);
   switch (placement.memory) {
     case MemoryKind::host:
@@ -187,7 +187,7 @@ SharedBuffer allocate(DType dtype, const Extents& shape, const Placement& placem
 }
 
 // Puts `host` (a shard built on the host) where `to` lives.
-void place(TensorView host, const SharedBuffer& to, const Placement& placement) {
+void place(TensorView host, const SharedBuffer& to, const ShardMemory& placement) {
   if (to.space().host_accessible()) {
     if (!host.empty()) std::memcpy(to.mut_view().data(), host.data(), host.bytes());
     return;
@@ -197,7 +197,7 @@ void place(TensorView host, const SharedBuffer& to, const Placement& placement) 
 }
 
 // A shard of `shape` in `placement`'s memory holding the bytes of `host`.
-SharedBuffer placed(HostBuffer host, const Placement& placement) {
+SharedBuffer placed(HostBuffer host, const ShardMemory& placement) {
   if (placement.memory == MemoryKind::host) return SharedBuffer(std::move(host));
   SharedBuffer b = allocate(host.dtype(), host.shape(), placement);
   place(host.view(), b, placement);
@@ -279,7 +279,7 @@ std::int64_t model_bytes(const ModelConfig& config, const Training& training) {
 }
 
 RankModel build_rank(const ModelConfig& config, const Layout& layout, int rank, const Training& training,
-                     Placement placement) {
+                     ShardMemory placement) {
   RankModel m;
   for (ShardedParam p : entries(config, layout, coord_of(layout, rank), training)) {
     HostBuffer host = HostBuffer::zeros(p.dtype, p.shard_shape());
@@ -334,7 +334,7 @@ StateDict attach(const StateDict& request, const LoadedState& loaded) {
   return with_data(request, [&](const std::string& key, DType, const Extents&) { return loaded.tensor(key); });
 }
 
-StateDict with_destinations(const StateDict& request, Placement placement) {
+StateDict with_destinations(const StateDict& request, ShardMemory placement) {
   return with_data(request, [&](const std::string&, DType dtype, const Extents& shape) {
     HostBuffer host = HostBuffer::uninitialized(dtype, shape);
     if (host.bytes()) std::memset(host.mut_view().data(), 0xff, host.bytes());
@@ -438,18 +438,18 @@ std::int64_t gather_save(const ModelConfig& config, const Layout& layout, const 
       }
     records.push_back(record_of(spec));
   }
-  std::int64_t units = 0;
+  std::int64_t checksum_rows = 0;
   for (const Write& w : writes) {
     const Box box = footprint(w.block.key, w.block.global_shape, w.offset, w.count);
-    datasets[w.dataset].slabs.push_back({box, units});
-    units += units_of(box);
+    datasets[w.dataset].slabs.push_back({box, checksum_rows});
+    checksum_rows += checksum_rows_of(box);
   }
   io::TemporaryFile temp = io::TemporaryFile::create(io::Destination::of(path));
   const Skeleton skeleton = create_skeleton(
       temp.file(), datasets,
       {CheckpointKind::global, records, {{"iteration", iteration}, {"model_config", config_json(config)}}, io::random_id()},
-      units);
-  PieceWriter writer(temp.file(), IoMethod::direct, ChecksumSlot{skeleton.checksums_address, 0});
+      checksum_rows);
+  PieceWriter writer(temp.file(), IoMethod::raw, ChecksumSlot{skeleton.checksums_address, 0});
   std::int64_t peak = 0;
   for (std::size_t w = 0; w < writes.size();) {
     const ParamSpec& spec = specs[writes[w].param];
@@ -458,7 +458,7 @@ std::int64_t gather_save(const ModelConfig& config, const Layout& layout, const 
     const GtpGeometry geo = GtpGeometry::make(spec.rows(), layout.gtp, layout.align);
     for (int g = 0; g < layout.gtp; ++g) {
       const auto rank = static_cast<std::size_t>(writes[w].tp_rank * layout.gtp + g);
-      parts.push_back(models[rank].state.params()[writes[w].param].shard.view().rows(0, geo.real_count(g)));
+      parts.push_back(models[rank].state.params()[writes[w].param].shard.view().slice_rows(0, geo.real_count(g)));
     }
     const HostBuffer weight = materialize(parts);
     peak = std::max<std::int64_t>(peak, static_cast<std::int64_t>(weight.bytes()));
@@ -466,7 +466,7 @@ std::int64_t gather_save(const ModelConfig& config, const Layout& layout, const 
     const std::int64_t tp_rank = writes[w].tp_rank;
     for (; w < writes.size() && writes[w].param == param && writes[w].tp_rank == tp_rank; ++w)
       writer.write(skeleton.datasets[writes[w].dataset], writes[w].offset, writes[w].count,
-                   weight.view().rows(writes[w].block.local_rows.begin, writes[w].block.local_rows.end));
+                   weight.view().slice_rows(writes[w].block.local_rows.begin, writes[w].block.local_rows.end));
   }
   writer.finish();
   mark_complete(temp.file(), skeleton.data);

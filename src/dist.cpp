@@ -294,7 +294,7 @@ void put_dataset(Writer& w, const DatasetInfo& d) {
   w.u8(static_cast<std::uint8_t>(d.dtype));
   w.dims(d.shape);
   w.i64(static_cast<std::int64_t>(d.extents.size()));
-  for (const Extent& e : d.extents) {
+  for (const RawRegion& e : d.extents) {
     for (std::int64_t v : {e.box.rows.begin, e.box.rows.end, e.box.cols.begin, e.box.cols.end}) w.i64(v);
     w.i64(static_cast<std::int64_t>(e.address));
   }
@@ -306,7 +306,7 @@ DatasetInfo get_dataset(Reader& r) {
   d.dtype = static_cast<DType>(r.u8());
   d.shape = r.dims();
   for (std::int64_t n = r.i64(); n > 0; --n) {
-    Extent e;
+    RawRegion e;
     e.box.rows.begin = r.i64();
     e.box.rows.end = r.i64();
     e.box.cols.begin = r.i64();
@@ -326,8 +326,8 @@ std::set<std::string_view> first_elements(const SavePlan& plan) {
   return out;
 }
 
-// Checksum units of a claim: writers checksum every row of their box.
-std::int64_t claim_units(const Claim& c) { return c.writes ? units_of(c.box) : 0; }
+// Checksummed rows of a claim: writers checksum every row of their box.
+std::int64_t claim_checksums(const Claim& c) { return c.writes ? checksum_rows_of(c.box) : 0; }
 // Claims rank 0 turns into Claim values at a time. Claims of one key always fall into the same part,
 // so checking the parts one by one checks everything, while the memory for Claim values stays near
 // this many whatever the number of ranks and pieces (the seed's 159k claims would take 42 MiB).
@@ -336,20 +336,20 @@ constexpr std::int64_t claims_per_part = 16 * 1024;
 // What rank 0 decides in planning: the datasets to create, and where each rank's checksums start.
 struct Planned {
   std::vector<DatasetSpec> specs;
-  std::vector<std::int64_t> first_units;  // per rank
-  std::int64_t units = 0;
+  std::vector<std::int64_t> first_checksums;  // per rank
+  std::int64_t checksum_rows = 0;
 };
 
 // Rank 0's side of planning: validates the claims of all ranks, part by part, lays out the checksum
-// table (each rank's units follow the previous rank's, in the order of its claims), and collects
+// table (each rank's checksums follow the previous rank's, in the order of its claims), and collects
 // the parameter records and rank 0's common values.
 Planned validate_in_parts(const std::vector<std::span<const std::byte>>& payloads, CheckpointContents& contents) {
   Planned out;
   std::int64_t claims_total = 0;
   for (std::span<const std::byte> p : payloads) {
     Reader r(p);
-    out.first_units.push_back(out.units);
-    out.units = checked_add(out.units, r.i64(), "checksum units of all ranks");
+    out.first_checksums.push_back(out.checksum_rows);
+    out.checksum_rows = checked_add(out.checksum_rows, r.i64(), "checksum checksum_rows of all ranks");
     claims_total = checked_add(claims_total, r.i64(), "claims of all ranks");
   }
   const auto parts =
@@ -360,18 +360,18 @@ Planned validate_in_parts(const std::vector<std::span<const std::byte>>& payload
     std::vector<std::int64_t> firsts;
     for (std::size_t rank = 0; rank < payloads.size(); ++rank) {
       Reader r(payloads[rank]);
-      const std::int64_t units = r.i64();
+      const std::int64_t checksum_rows = r.i64();
       std::int64_t running = 0;
       for (std::int64_t n = r.i64(); n > 0; --n) {
         Claim c = get_claim(r, static_cast<int>(rank));
-        const std::int64_t u = claim_units(c);
+        const std::int64_t u = claim_checksums(c);
         if (std::hash<std::string>{}(c.key) % parts == part) {
-          firsts.push_back(out.first_units[rank] + running);
+          firsts.push_back(out.first_checksums[rank] + running);
           claims.push_back(std::move(c));
         }
-        running = checked_add(running, u, "checksum units of a rank");
+        running = checked_add(running, u, "checksum checksum_rows of a rank");
       }
-      require(running == units, Errc::internal, "rank ", rank, " announced ", units, " checksum units but claims ",
+      require(running == checksum_rows, Errc::internal, "rank ", rank, " announced ", checksum_rows, " checksum checksum_rows but claims ",
               running);
       if (part > 0) continue;
       for (std::int64_t n = r.i64(); n > 0; --n) {
@@ -571,7 +571,7 @@ class ThreadMember final : public ProcessGroup {
               me_, " of ", rows.row_bytes(), " bytes, or with other counts");
       const std::int64_t n = counts[static_cast<std::size_t>(r)];
       if (r != me_ && n > 0)
-        std::memcpy(rows.rows(start, start + n).data(), from + start * row_bytes, static_cast<std::size_t>(n * row_bytes));
+        std::memcpy(rows.slice_rows(start, start + n).data(), from + start * row_bytes, static_cast<std::size_t>(n * row_bytes));
       start += n;
     }
     barrier();
@@ -669,14 +669,14 @@ std::string_view save_phase_name(SavePhase phase) noexcept {
 
 namespace {
 
-// What a rank sends rank 0 in planning: its checksum units, its claims, the parameter records whose
+// What a rank sends rank 0 in planning: its number of checksummed rows, its claims, the parameter records whose
 // first element it writes, and (rank 0) the common values.
 Bytes planning_payload(const SavePlan& plan, int me) {
   const std::vector<Claim> claims = claims_of(plan, me);
-  std::int64_t units = 0;
-  for (const Claim& c : claims) units = checked_add(units, claim_units(c), "checksum units");
+  std::int64_t checksum_rows = 0;
+  for (const Claim& c : claims) checksum_rows = checked_add(checksum_rows, claim_checksums(c), "checksum checksum_rows");
   Writer w;
-  w.i64(units);
+  w.i64(checksum_rows);
   w.i64(static_cast<std::int64_t>(plan.items.size()));
   for (const SaveItem& i : plan.items) put_claim(w, i);
   const std::set<std::string_view> firsts = first_elements(plan);
@@ -725,11 +725,11 @@ Bytes create_checkpoint(const std::vector<std::span<const std::byte>>& payloads,
   contents.id = io::random_id();
   contents.checksummed = options.checksums;
   Planned planned = validate_in_parts(payloads, contents);
-  if (!options.checksums) planned.units = 0;
+  if (!options.checksums) planned.checksum_rows = 0;
   io::Destination where = io::Destination::of(path);
   dest.dir = where.path.parent_path();
   dest.temp.emplace(io::TemporaryFile::create(std::move(where)));
-  const Skeleton skeleton = create_skeleton(dest.temp->file(), planned.specs, contents, planned.units);
+  const Skeleton skeleton = create_skeleton(dest.temp->file(), planned.specs, contents, planned.checksum_rows);
   dest.data = skeleton.data;
   Writer w;
   w.str(dest.dir.string());
@@ -738,7 +738,7 @@ Bytes create_checkpoint(const std::vector<std::span<const std::byte>>& payloads,
   w.i64(static_cast<std::int64_t>(skeleton.datasets.size()));
   for (const DatasetInfo& d : skeleton.datasets) put_dataset(w, d);
   w.i64(static_cast<std::int64_t>(skeleton.checksums_address));
-  w.dims(options.checksums ? planned.first_units : std::vector<std::int64_t>{});
+  w.dims(options.checksums ? planned.first_checksums : std::vector<std::int64_t>{});
   return w.take();
 }
 
@@ -764,10 +764,10 @@ Created read_verdict(const Bytes& verdict, const SavePlan& plan, int me, int ran
     if (mine.contains(d.key)) out.datasets.push_back(std::move(d));
   }
   const auto checksums_address = static_cast<std::uint64_t>(r.i64());
-  const std::vector<std::int64_t> first_units = r.dims();
-  require(first_units.empty() || first_units.size() == static_cast<std::size_t>(ranks), Errc::collective,
+  const std::vector<std::int64_t> first_checksums = r.dims();
+  require(first_checksums.empty() || first_checksums.size() == static_cast<std::size_t>(ranks), Errc::collective,
           "the planning verdict does not have one checksum start per rank");
-  if (!first_units.empty()) out.slot = ChecksumSlot{checksums_address, first_units[static_cast<std::size_t>(me)]};
+  if (!first_checksums.empty()) out.slot = ChecksumSlot{checksums_address, first_checksums[static_cast<std::size_t>(me)]};
   return out;
 }
 
@@ -784,7 +784,7 @@ void write_pieces(ProcessGroup& group, const SavePlan& plan, const Created& crea
     write_items(plan, created.datasets, writer, options.staging);
     writer.finish();
   };
-  if (options.method == IoMethod::direct) return agree(group, "writing pieces", write_mine);
+  if (options.method == IoMethod::raw) return agree(group, "writing pieces", write_mine);
   for (int turn = 0; turn < group.size(); ++turn)
     agree(group, "writing pieces", [&] {
       if (turn == group.rank()) write_mine();

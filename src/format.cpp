@@ -149,7 +149,7 @@ std::vector<ParamRecord> params_from_json(std::string_view text) {
 
 // Where the raw data of an open dataset lies, when the direct path may use it: stored unfiltered in
 // exactly the library's type, allocated in full, split (if chunked) along dims 0 and 1 only.
-std::vector<Extent> extents_of(hid_t set, hid_t type, const std::vector<std::int64_t>& shape, DType dtype,
+std::vector<RawRegion> raw_regions_of(hid_t set, hid_t type, const std::vector<std::int64_t>& shape, DType dtype,
                                const Where& w) {
   const Box whole = whole_box(shape);
   if (whole.empty() || !hdf5::stored_exactly(type, dtype)) return {};
@@ -184,7 +184,7 @@ std::vector<Extent> extents_of(hid_t set, hid_t type, const std::vector<std::int
   const std::int64_t chunk_bytes =
       checked_mul(checked_mul(chunk_rows, chunk_cols, "chunk size", Errc::not_a_checkpoint), element_size(dtype),
                   "chunk size", Errc::not_a_checkpoint);
-  std::vector<Extent> out;
+  std::vector<RawRegion> out;
   std::vector<hsize_t> offset(rank, 0);
   for (std::int64_t rc = 0; rc < row_chunks; ++rc)
     for (std::int64_t cc = 0; cc < col_chunks; ++cc) {
@@ -209,10 +209,10 @@ std::vector<Extent> extents_of(hid_t set, hid_t type, const std::vector<std::int
 // file_stride)` moves `rows` rows of `run` bytes: file row i at at + i * file_stride, memory row i
 // at p + i * mem_stride.
 template <class Mem, class Move>
-void transfer(const fs::path& file, std::span<const Extent> extents, std::int64_t es, const Box& box, Mem* mem,
+void transfer(const fs::path& file, std::span<const RawRegion> extents, std::int64_t es, const Box& box, Mem* mem,
               std::int64_t mem_stride, Move&& move) {
   std::int64_t moved = 0;
-  for (const Extent& e : extents) {
+  for (const RawRegion& e : extents) {
     const Box hit = box.intersect(e.box);
     if (hit.empty()) continue;
     moved += box_elements(hit);
@@ -549,10 +549,10 @@ ParamSpec spec_at_tp(const ParamRecord& r, std::int64_t tp) {
   return param_at_tp(r.key, r.blocks, r.trailing, r.tp_axis, tp);
 }
 
-std::int64_t units_of(const Box& box) { return box.empty() ? 0 : box.rows.size(); }
+std::int64_t checksum_rows_of(const Box& box) { return box.empty() ? 0 : box.rows.size(); }
 
-std::vector<DatasetSpec> datasets_of(std::span<const Claim> claims, std::span<const std::int64_t> first_units) {
-  require(first_units.size() == claims.size(), Errc::internal, "one first unit per claim");
+std::vector<DatasetSpec> datasets_of(std::span<const Claim> claims, std::span<const std::int64_t> first_checksums) {
+  require(first_checksums.size() == claims.size(), Errc::internal, "one first unit per claim");
   std::map<std::string_view, std::vector<std::size_t>> by_key;
   for (std::size_t i = 0; i < claims.size(); ++i) by_key[claims[i].key].push_back(i);
   std::vector<DatasetSpec> out;
@@ -567,7 +567,7 @@ std::vector<DatasetSpec> datasets_of(std::span<const Claim> claims, std::span<co
     for (std::size_t i : list) {
       const Claim& c = claims[i];
       if (c.writes && !c.box.empty()) {
-        spec.slabs.push_back({c.box, first_units[i]});
+        spec.slabs.push_back({c.box, first_checksums[i]});
         width = std::max(width, c.box.cols.size());
       }
     }
@@ -597,8 +597,8 @@ std::vector<DatasetSpec> datasets_of(std::span<const Claim> claims, std::span<co
 // ---- the writer side ----------------------------------------------------------------------------------
 
 Skeleton create_skeleton(io::File& f, std::span<const DatasetSpec> datasets, const CheckpointContents& contents,
-                         std::int64_t units) {
-  require(units >= 0 && (contents.checksummed || units == 0), Errc::internal, "a checksum count of ", units);
+                         std::int64_t checksum_rows) {
+  require(checksum_rows >= 0 && (contents.checksummed || checksum_rows == 0), Errc::internal, "a checksum count of ", checksum_rows);
   const fs::path& partial = f.path();
   const Where w{partial, "", "create the checkpoint"};
   hdf5::Channel channel(f);
@@ -621,13 +621,13 @@ Skeleton create_skeleton(io::File& f, std::span<const DatasetSpec> datasets, con
     }
     common.close(w);
     if (contents.checksummed) {
-      const DatasetSpec table{checksums_set, DType::u64, {units}, std::nullopt, {}, {}};
+      const DatasetSpec table{checksums_set, DType::u64, {checksum_rows}, std::nullopt, {}, {}};
       Hid set = create_dataset(file.get(), table, w);
-      if (units > 0) {
+      if (checksum_rows > 0) {
         const haddr_t addr = H5Dget_offset(set.get());
         require(addr != HADDR_UNDEF, Errc::hdf5, "HDF5 did not allocate the checksum table of ", partial.string());
         out.checksums_address = addr;
-        out.data.push_back({addr, static_cast<std::uint64_t>(units) * sizeof(std::uint64_t)});
+        out.data.push_back({addr, static_cast<std::uint64_t>(checksum_rows) * sizeof(std::uint64_t)});
       }
       set.close(w);
     }
@@ -648,13 +648,13 @@ Skeleton create_skeleton(io::File& f, std::span<const DatasetSpec> datasets, con
         std::vector<std::int64_t> table;
         table.reserve(d.slabs.size() * 5);
         for (const Slab& s : d.slabs)
-          table.insert(table.end(), {s.box.rows.begin, s.box.rows.end, s.box.cols.begin, s.box.cols.end, s.first_unit});
+          table.insert(table.end(), {s.box.rows.begin, s.box.rows.end, s.box.cols.begin, s.box.cols.end, s.first_checksum});
         hdf5::write_attr(slabs.get(), d.key.c_str(), std::span<const std::int64_t>(table), 5, dw);
       }
       Hid type = hdf5::type_of(d.dtype);
-      out.datasets.push_back({d.key, d.dtype, d.shape, extents_of(set.get(), type.get(), d.shape, d.dtype, dw),
+      out.datasets.push_back({d.key, d.dtype, d.shape, raw_regions_of(set.get(), type.get(), d.shape, d.dtype, dw),
                               d.placement});
-      for (const Extent& e : out.datasets.back().extents)
+      for (const RawRegion& e : out.datasets.back().extents)
         out.data.push_back({e.address, static_cast<std::uint64_t>(box_elements(e.box)) * dtype_size(d.dtype)});
       set.close(dw);
     }
@@ -668,14 +668,14 @@ Skeleton create_skeleton(io::File& f, std::span<const DatasetSpec> datasets, con
 struct PieceWriter::Impl {
   explicit Impl(io::File& f) : file(f) {}
   fs::path path;
-  IoMethod method = IoMethod::direct;
+  IoMethod method = IoMethod::raw;
   std::optional<ChecksumSlot> checksums;
   io::File& file;
   std::unique_ptr<hdf5::Channel> channel;  // hyperslab path
   Hid h5;                                  // hyperslab path
   std::map<std::string, Hid, std::less<>> sets;
   std::vector<std::uint64_t> hashes;  // not yet in the table
-  std::int64_t hashes_written = 0;    // units of this writer already in the table
+  std::int64_t hashes_written = 0;    // checksums of this writer already in the table
   BytesDone progress;
 
   // The checksums computed so far go to their place in the table: a writer holds at most
@@ -697,7 +697,7 @@ PieceWriter::PieceWriter(io::File& file, IoMethod method, std::optional<Checksum
   m.method = method;
   m.checksums = checksums;
   m.progress = std::move(progress);
-  if (method == IoMethod::direct) return;
+  if (method == IoMethod::raw) return;
   m.channel = std::make_unique<hdf5::Channel>(m.file);
   m.h5 = hdf5::open_file(*m.channel, true, Errc::hdf5);
 }
@@ -715,8 +715,8 @@ void PieceWriter::Impl::flush_hashes() {
   if (hashes.empty()) return;
   const Where w{path, "", "write the checksums"};
   const auto n = static_cast<std::int64_t>(hashes.size());
-  const std::int64_t first = checksums->first_unit + hashes_written;
-  if (method == IoMethod::direct) {
+  const std::int64_t first = checksums->first_checksum + hashes_written;
+  if (method == IoMethod::raw) {
     file.pwrite_all(hashes.data(), hashes.size() * sizeof(std::uint64_t),
                     checksums->table_address + static_cast<std::uint64_t>(first) * sizeof(std::uint64_t));
   } else {
@@ -748,7 +748,7 @@ void PieceWriter::write(const DatasetInfo& d, const Box& box, TensorView src) {
         m.hashes.push_back(row_hash(p + r * row_bytes, static_cast<std::size_t>(row_bytes)));
         if (m.hashes.size() == Impl::hash_batch) m.flush_hashes();
       }
-    if (m.method == IoMethod::direct)
+    if (m.method == IoMethod::raw)
       transfer(m.file.path(), d.extents, es, batch, p, row_bytes,
                [&](const std::byte* q, std::size_t run, std::size_t rows, std::uint64_t at, std::int64_t file_stride) {
                  if (static_cast<std::int64_t>(run) == file_stride && file_stride == row_bytes)
@@ -877,7 +877,7 @@ struct CheckpointReader::Impl {
     std::string skipped;                  // why it is not a tensor
     std::optional<std::string> external;  // the file beside the checkpoint that holds its bytes
     std::uint64_t external_offset = 0;
-    std::optional<std::vector<Extent>> extents;
+    std::optional<std::vector<RawRegion>> extents;
     std::optional<std::vector<Slab>> slabs;  // sorted by first row
     std::vector<std::int64_t> slab_reach;    // running maximum of the slabs' end rows
   };
@@ -894,7 +894,7 @@ struct CheckpointReader::Impl {
   int version = 0;
   bool checksummed = false;
   CheckpointContents contents;
-  std::int64_t total_units = 0;
+  std::int64_t checksum_count = 0;
   std::optional<std::uint64_t> checksums_address;
   std::uint64_t file_size = 0;
   std::optional<std::uint64_t> seal;
@@ -916,9 +916,9 @@ struct CheckpointReader::Impl {
   const DatasetInfo& info(std::string_view key);
   void read_storage(hid_t set, const std::string& name, Entry& e, const Where& w) const;
   External& external(const std::string& name);
-  const std::vector<Extent>& extents_for(Entry& e);
+  const std::vector<RawRegion>& regions_for(Entry& e);
   const std::vector<Slab>& slabs_for(Entry& e);
-  void read_units(std::int64_t first, std::int64_t n, std::uint64_t* out) const;
+  void read_checksums(std::int64_t first, std::int64_t n, std::uint64_t* out) const;
   void raw_read(const DatasetInfo& d, Entry& e, const Box& box, std::byte* mem, std::int64_t mem_row_elems,
                 std::int64_t mem_col, const ReadOptions& options);
   void read_checked(const DatasetInfo& d, Entry& e, const Slab& s, const Box& sub, const Box& box, std::byte* out,
@@ -991,15 +991,15 @@ void CheckpointReader::Impl::read_checksum_table(hid_t meta, const Where& w) {
   const std::vector<std::int64_t> shape = hdf5::shape_of(checksums.get(), cw, no);
   if (shape.size() != 1 || hdf5::dtype_of(type.get()) != DType::u64)
     refuse("/_shardckpt/checksums is not a 1-D table of u64");
-  total_units = shape[0];
-  if (total_units == 0) return;
+  checksum_count = shape[0];
+  if (checksum_count == 0) return;
   Hid dcpl = owned(H5Dget_create_plist(checksums.get()), H5Pclose, cw, no);
   const bool plain = H5Pget_external_count(dcpl.get()) == 0 && H5Pget_layout(dcpl.get()) == H5D_CONTIGUOUS;
   H5Eclear2(H5E_DEFAULT);
-  const std::vector<Extent> table =
-      plain ? extents_of(checksums.get(), type.get(), shape, DType::u64, cw) : std::vector<Extent>{};
+  const std::vector<RawRegion> table =
+      plain ? raw_regions_of(checksums.get(), type.get(), shape, DType::u64, cw) : std::vector<RawRegion>{};
   if (table.size() != 1) refuse("its checksum table is not stored contiguously in the file");
-  const std::uint64_t bytes = static_cast<std::uint64_t>(total_units) * sizeof(std::uint64_t);
+  const std::uint64_t bytes = static_cast<std::uint64_t>(checksum_count) * sizeof(std::uint64_t);
   if (table[0].address > file_size || bytes > file_size - table[0].address)
     refuse("its checksum table ends past the end of the file (truncated)");
   checksums_address = table[0].address;
@@ -1162,10 +1162,10 @@ const DatasetInfo& CheckpointReader::Impl::info(std::string_view key) {
   return *e.info;
 }
 
-const std::vector<Extent>& CheckpointReader::Impl::extents_for(Entry& e) {
+const std::vector<RawRegion>& CheckpointReader::Impl::regions_for(Entry& e) {
   if (e.extents) return *e.extents;
   const DatasetInfo& d = *e.info;
-  std::vector<Extent> extents;
+  std::vector<RawRegion> extents;
   std::uint64_t size = file_size;
   std::string_view where = "the file";
   if (e.external) {
@@ -1176,9 +1176,9 @@ const std::vector<Extent>& CheckpointReader::Impl::extents_for(Entry& e) {
     const Where dw{path, d.key, "locate the dataset's data"};
     Hid set = owned(H5Dopen2(h5.get(), d.key.c_str(), H5P_DEFAULT), H5Dclose, dw, Errc::not_a_checkpoint);
     Hid type = owned(H5Dget_type(set.get()), H5Tclose, dw, Errc::not_a_checkpoint);
-    extents = extents_of(set.get(), type.get(), d.shape, d.dtype, dw);
+    extents = raw_regions_of(set.get(), type.get(), d.shape, d.dtype, dw);
   }
-  for (const Extent& x : extents) {
+  for (const RawRegion& x : extents) {
     const auto bytes = static_cast<std::uint64_t>(box_elements(x.box)) * dtype_size(d.dtype);
     if (x.address > size || bytes > size - x.address)
       refuse(cat("dataset ", d.key, " ends at byte ", x.address + bytes, " but ", where, " has ", size,
@@ -1207,7 +1207,7 @@ const std::vector<Slab>& CheckpointReader::Impl::slabs_for(Entry& e) {
       const bool inside = s.box.rows.begin >= 0 && s.box.rows.begin < s.box.rows.end &&
                           s.box.rows.end <= whole.rows.end && s.box.cols.begin >= 0 &&
                           s.box.cols.begin < s.box.cols.end && s.box.cols.end <= whole.cols.end;
-      if (!inside || s.first_unit < 0 || s.first_unit > total_units - s.box.rows.size())
+      if (!inside || s.first_checksum < 0 || s.first_checksum > checksum_count - s.box.rows.size())
         refuse(cat("slab ", i / 5, " of dataset ", d.key, " lies outside the dataset or the checksum table"));
       boxes.push_back({s.box, static_cast<std::int64_t>(i / 5)});
       slabs.push_back(s);
@@ -1225,14 +1225,14 @@ const std::vector<Slab>& CheckpointReader::Impl::slabs_for(Entry& e) {
   return *(e.slabs = std::move(slabs));
 }
 
-void CheckpointReader::Impl::read_units(std::int64_t first, std::int64_t n, std::uint64_t* out) const {
+void CheckpointReader::Impl::read_checksums(std::int64_t first, std::int64_t n, std::uint64_t* out) const {
   if (n == 0) return;
   if (checksums_address) {
     file.pread_all(out, static_cast<std::size_t>(n) * sizeof(std::uint64_t),
                    *checksums_address + static_cast<std::uint64_t>(first) * sizeof(std::uint64_t));
     return;
   }
-  hdf5::read_box(checksums.get(), DType::u64, std::vector<std::int64_t>{total_units}, {{first, first + n}, {0, 1}}, out,
+  hdf5::read_box(checksums.get(), DType::u64, std::vector<std::int64_t>{checksum_count}, {{first, first + n}, {0, 1}}, out,
                  1, 0, {path, checksums_set, "read checksums"});
 }
 
@@ -1240,13 +1240,13 @@ void CheckpointReader::Impl::raw_read(const DatasetInfo& d, Entry& e, const Box&
                                       std::int64_t mem_row_elems, std::int64_t mem_col, const ReadOptions& options) {
   const std::int64_t es = element_size(d.dtype);
   // Bytes in an external file are always read here: HDF5 would open the file by name.
-  if (options.method == IoMethod::direct || e.external) {
+  if (options.method == IoMethod::raw || e.external) {
     const io::File* from = &file;
     const io::BulkReader* bulk = &*cached;
-    const std::vector<Extent>* extents = nullptr;
+    const std::vector<RawRegion>* extents = nullptr;
     {
       const std::lock_guard lock(mutex);
-      extents = &extents_for(e);
+      extents = &regions_for(e);
       if (e.external) {
         External& x = external(*e.external);
         from = &x.file;
@@ -1364,8 +1364,8 @@ std::vector<Slab> CheckpointReader::slabs(const DatasetInfo& d) const {
 }
 
 // Reads `sub` (the part of `box` that slab `s` holds) into `out` (the rows of `box`), checking
-// every unit read against its checksum in batches. Whole units (the slab's rows lie inside the box's
-// columns) are read in place; units that reach past the box are read whole into scratch memory,
+// every row read against its checksum in batches. Whole rows (the slab's rows lie inside the box's
+// columns) are read in place; rows that reach past the box are read whole into scratch memory,
 // checked, and the asked-for part copied.
 void CheckpointReader::Impl::read_checked(const DatasetInfo& d, Entry& e, const Slab& s, const Box& sub,
                                           const Box& box, std::byte* out, const ReadOptions& options) {
@@ -1384,7 +1384,7 @@ void CheckpointReader::Impl::read_checked(const DatasetInfo& d, Entry& e, const 
   for (std::int64_t r0 = sub.rows.begin; r0 < sub.rows.end; r0 += step) {
     const std::int64_t r1 = std::min(r0 + step, sub.rows.end), n = r1 - r0;
     want.resize(static_cast<std::size_t>(n));
-    read_units(s.first_unit + (r0 - s.box.rows.begin), n, want.data());
+    read_checksums(s.first_checksum + (r0 - s.box.rows.begin), n, want.data());
     std::byte* rows = out + (r0 - box.rows.begin) * width * es;
     if (whole_units) {
       raw_read(d, e, {{r0, r1}, s.box.cols}, rows, width, s.box.cols.begin - box.cols.begin, options);
@@ -1444,9 +1444,9 @@ void CheckpointReader::read(const DatasetInfo& d, std::span<const std::int64_t> 
   read(d, box_of(d, offset, count), dst, options);
 }
 
-std::string records_text(const std::vector<ParamRecord>& records) { return params_json(records).dump(); }
+std::string records_json(const std::vector<ParamRecord>& records) { return params_json(records).dump(); }
 
-std::vector<ParamRecord> records_of(std::string_view json_text) {
+std::vector<ParamRecord> parse_records(std::string_view json_text) {
   try {
     return params_from_json(json_text);
   } catch (const Error& e) {
@@ -1553,18 +1553,18 @@ AdoptReport adopt(const fs::path& plain, const fs::path& out, const std::vector<
     check_adopted_records(records, sets);
     std::vector<DatasetSpec> specs;
     AdoptReport report;
-    std::int64_t units = 0;
+    std::int64_t checksum_rows = 0;
     for (const PlainDataset& d : sets) {
       const Box whole = whole_box(d.shape);
       specs.push_back({d.key, d.dtype, d.shape, std::nullopt, {}, {}, ExternalData{source.filename().string(), d.address}});
-      if (!whole.empty()) specs.back().slabs.push_back({whole, units});
-      units += units_of(whole);
+      if (!whole.empty()) specs.back().slabs.push_back({whole, checksum_rows});
+      checksum_rows += checksum_rows_of(whole);
       report.bytes += element_count(d.shape) * element_size(d.dtype);
     }
     const std::vector<std::uint64_t> hashes = row_hashes(f, sets);
     io::TemporaryFile temp = io::TemporaryFile::create(std::move(dest));
     const Skeleton skeleton =
-        create_skeleton(temp.file(), specs, {CheckpointKind::global, records, common, io::random_id()}, units);
+        create_skeleton(temp.file(), specs, {CheckpointKind::global, records, common, io::random_id()}, checksum_rows);
     if (!hashes.empty())
       temp.file().pwrite_all(hashes.data(), hashes.size() * sizeof(std::uint64_t), skeleton.checksums_address);
     mark_complete(temp.file(), skeleton.data);
@@ -1600,19 +1600,19 @@ VerifyReport verify_checkpoint(const CheckpointReader& reader,
         const MutTensorView view = MutTensorView::borrow(buffer.data(), d.dtype, {batch.rows.size(), batch.cols.size()});
         try {
           reader.read(d, batch, view);
-          report.units += batch.rows.size();
+          report.checksum_rows += batch.rows.size();
         } catch (const Error& e) {
           if (e.code() != Errc::corrupt) throw;
           // Find every bad row of the batch, not only the first.
           for (std::int64_t r = batch.rows.begin; r < batch.rows.end; ++r) {
             const Box row{{r, r + 1}, s.box.cols};
             try {
-              reader.read(d, row, view.rows(0, 1));
+              reader.read(d, row, view.slice_rows(0, 1));
             } catch (const Error& bad) {
               if (bad.code() != Errc::corrupt) throw;
               if (report.mismatches++ < 16) report.problems.emplace_back(bad.what());
             }
-            ++report.units;
+            ++report.checksum_rows;
           }
         }
         done += box_elements(batch) * es;

@@ -210,11 +210,11 @@ RankPlan plan_rank(const ParamSpec& spec, std::int64_t gtp, std::int64_t align, 
   plan.real_rows = plan.geometry.real_count(coord.gtp_rank);
   plan.padding_only = plan.real_rows == 0;
   plan.main_replica = spec.tp_axis != TpAxis::replicated || coord.tp_rank == 0;
-  const RowRange real = plan.geometry.real_rows(coord.gtp_rank);
+  const Range real = plan.geometry.real_rows(coord.gtp_rank);
   const std::vector<Block> all = blocks(spec);
   for (std::size_t j = 0; j < all.size(); ++j) {
     const Block& b = all[j];
-    const RowRange hit = real.intersect(b.local_rows);  // [lo, hi) of SPEC.md, "What a rank saves"
+    const Range hit = real.intersect(b.local_rows);  // [lo, hi) of SPEC.md, "What a rank saves"
     if (hit.empty()) continue;
     Piece p{b.key, j,          b.global_shape,        std::vector<std::int64_t>(b.global_shape.size(), 0),
             {},    hit.size(), hit.begin - real.begin};
@@ -259,7 +259,7 @@ Box footprint(std::string_view key, std::span<const std::int64_t> shape, std::sp
   return box;
 }
 
-RowRange balanced_share(std::int64_t n, std::int64_t count, std::int64_t index) {
+Range balanced_share(std::int64_t n, std::int64_t count, std::int64_t index) {
   require(n >= 0 && count >= 1 && index >= 0 && index < count, Errc::invalid_argument, "share ", index, " of ", count,
           " of ", n);
   // n * index / count without overflow: n = q * count + r.
@@ -268,11 +268,11 @@ RowRange balanced_share(std::int64_t n, std::int64_t count, std::int64_t index) 
   return {start(index), start(index + 1)};
 }
 
-std::vector<FlatPart> flat_parts(const Piece& piece, std::int64_t row_elems, RowRange range) {
+std::vector<FlatPart> flat_parts(const Piece& piece, std::int64_t row_elems, Range range) {
   const Box box = footprint(piece.key, piece.global_shape, piece.global_offset, piece.count);
   const std::int64_t c = row_elems;
-  const RowRange elems =
-      RowRange{piece.shard_row * c, (piece.shard_row + piece.rows) * c}.intersect(range);
+  const Range elems =
+      Range{piece.shard_row * c, (piece.shard_row + piece.rows) * c}.intersect(range);
   std::vector<FlatPart> out;
   if (elems.empty()) return out;
   // Shard row r, elements [lo, hi) of it, as a box of the dataset.
@@ -325,7 +325,7 @@ bool disjoint(std::span<const OwnedBox> boxes) {
             [](const Event& a, const Event& b) { return a.row != b.row ? a.row < b.row : a.insert < b.insert; });
   std::map<std::int64_t, std::int64_t> active;  // column begin -> column end
   for (const Event& e : events) {
-    const RowRange cols = boxes[e.box].box.cols;
+    const Range cols = boxes[e.box].box.cols;
     if (!e.insert) {
       active.erase(cols.begin);
       continue;
@@ -358,7 +358,7 @@ std::vector<std::string> tiling_problems(std::string_view key, std::span<const O
     cuts.insert(o.box.cols.end);
   }
   for (auto it = cuts.begin(); std::next(it) != cuts.end() && problems.size() < limit; ++it) {
-    const RowRange band{*it, *std::next(it)};
+    const Range band{*it, *std::next(it)};
     std::vector<const OwnedBox*> in_band;
     for (const OwnedBox& o : boxes)
       if (o.box.cols.begin <= band.begin && band.end <= o.box.cols.end) in_band.push_back(&o);

@@ -165,7 +165,7 @@ class Source {
       const MutTensorView staged = arena_->take(dst, dst.rows() - r0, [](int) {});
       const std::int64_t n = staged.rows();
       reader_.read(*d, {{from.rows.begin + r0, from.rows.begin + r0 + n}, from.cols}, staged, read_);
-      arena_->engine().copy_to_device(staged, dst.rows(r0, r0 + n));
+      arena_->engine().copy_to_device(staged, dst.slice_rows(r0, r0 + n));
       r0 += n;
     }
   }
@@ -211,8 +211,8 @@ using Slot = std::variant<MutTensorView, Placeholder, CommonValue>;
 using Tree = std::map<std::string, Slot, std::less<>>;
 
 // Rows [begin, end) of a shard's real rows that this copy reads (all, unless it shares).
-RowRange own_rows(std::int64_t rows, int replica_id, int replicas, bool share) {
-  return share && replicas > 1 ? balanced_share(rows, replicas, replica_id) : RowRange{0, rows};
+Range own_rows(std::int64_t rows, int replica_id, int replicas, bool share) {
+  return share && replicas > 1 ? balanced_share(rows, replicas, replica_id) : Range{0, rows};
 }
 
 void load_tensors(Source& src, const StateDict& state, const LoadOptions& options, Tree& tree) {
@@ -220,9 +220,9 @@ void load_tensors(Source& src, const StateDict& state, const LoadOptions& option
     const std::string who = cat("tensor ", t.key);
     const MutTensorView dst = destination(t.data, t.dtype, t.shape, who);
     const Box box = footprint(t.key, t.global_shape, t.global_offset, t.shape.dims());
-    const RowRange mine = own_rows(t.shape.rows(), t.replica_id, t.replicas, options.read_own_share && !src.local());
+    const Range mine = own_rows(t.shape.rows(), t.replica_id, t.replicas, options.read_own_share && !src.local());
     src.read(t.key, t.dtype, t.global_shape, {{box.rows.begin + mine.begin, box.rows.begin + mine.end}, box.cols},
-             dst.rows(mine.begin, mine.end), who);
+             dst.slice_rows(mine.begin, mine.end), who);
     tree.emplace(t.key, dst);
   }
 }
@@ -246,16 +246,16 @@ void load_params(Source& src, const StateDict& state, const LoadOptions& options
       tree.emplace(p.spec.key, dst);
       continue;
     }
-    const RowRange mine = own_rows(plan.real_rows, p.replica_id, p.replicas, options.read_own_share && !src.local());
+    const Range mine = own_rows(plan.real_rows, p.replica_id, p.replicas, options.read_own_share && !src.local());
     for (const Piece& piece : plan.pieces) {
-      const RowRange rows = RowRange{piece.shard_row, piece.shard_row + piece.rows}.intersect(mine);
+      const Range rows = Range{piece.shard_row, piece.shard_row + piece.rows}.intersect(mine);
       if (rows.empty()) continue;
       const Box box = footprint(piece.key, piece.global_shape, piece.global_offset, piece.count);
       const std::int64_t first = box.rows.begin + rows.begin - piece.shard_row;
       src.read(piece.key, p.dtype, piece.global_shape, {{first, first + rows.size()}, box.cols},
-               dst.rows(rows.begin, rows.end), where(p));
+               dst.slice_rows(rows.begin, rows.end), where(p));
     }
-    src.zero(dst.rows(plan.real_rows, dst.rows()));
+    src.zero(dst.slice_rows(plan.real_rows, dst.rows()));
     tree.emplace(p.spec.key, dst);
   }
 }
@@ -342,8 +342,8 @@ Extents ShardedParam::shard_shape() const {
   return {flat->end - flat->begin};
 }
 
-FlatRange distributed_range(const ShardedParam& param, int rank, int ranks) {
-  const RowRange r = balanced_share(param.padded_shape().elements(), ranks, rank);
+Range distributed_range(const ShardedParam& param, int rank, int ranks) {
+  const Range r = balanced_share(param.padded_shape().elements(), ranks, rank);
   return {r.begin, r.end};
 }
 
@@ -401,10 +401,10 @@ void add_tensor_items(const ShardedTensor& t, bool share, SavePlan& out) {
   require(t.data.dtype() == t.dtype && t.data.shape() == t.shape, Errc::shape_mismatch, "tensor ", t.key,
           ": the data does not match the declared dtype and shape");
   const Box box = footprint(t.key, t.global_shape, t.global_offset, t.shape.dims());
-  const RowRange mine = own_rows(t.shape.rows(), t.replica_id, t.replicas, share);
+  const Range mine = own_rows(t.shape.rows(), t.replica_id, t.replicas, share);
   out.items.push_back({t.key, t.dtype, t.global_shape,
                        Box{{box.rows.begin + mine.begin, box.rows.begin + mine.end}, box.cols}, true,
-                       t.data.view().rows(mine.begin, mine.end)});
+                       t.data.view().slice_rows(mine.begin, mine.end)});
 }
 
 void add_param_items(const ShardedParam& p, bool share, SavePlan& out) {
@@ -425,14 +425,14 @@ void add_param_items(const ShardedParam& p, bool share, SavePlan& out) {
                              reshaped(shard, part.range_offset, part.box.rows.size(), part.box.cols.size())});
     return;
   }
-  const RowRange mine = own_rows(plan.real_rows, p.replica_id, p.replicas, share);
+  const Range mine = own_rows(plan.real_rows, p.replica_id, p.replicas, share);
   for (const Piece& piece : plan.pieces) {
-    const RowRange rows = RowRange{piece.shard_row, piece.shard_row + piece.rows}.intersect(mine);
+    const Range rows = Range{piece.shard_row, piece.shard_row + piece.rows}.intersect(mine);
     if (rows.empty()) continue;
     const Box box = footprint(piece.key, piece.global_shape, piece.global_offset, piece.count);
     const std::int64_t first = box.rows.begin + rows.begin - piece.shard_row;
     out.items.push_back({piece.key, p.dtype, piece.global_shape, Box{{first, first + rows.size()}, box.cols},
-                         plan.main_replica, shard.rows(rows.begin, rows.end)});
+                         plan.main_replica, shard.slice_rows(rows.begin, rows.end)});
   }
 }
 
@@ -486,7 +486,7 @@ void write_items(const SavePlan& plan, std::span<const DatasetInfo> datasets, Pi
     if (!arena) arena.emplace(*staging);
     for (std::int64_t r0 = 0; r0 < i.data.rows();) {
       const MutTensorView rows = arena->take(i.data, i.data.rows() - r0, write_buffer);
-      arena->engine().copy_to_host(i.data.rows(r0, r0 + rows.rows()), rows);
+      arena->engine().copy_to_host(i.data.slice_rows(r0, r0 + rows.rows()), rows);
       staged[static_cast<std::size_t>(arena->current())].push_back(
           {it->second, {{i.box.rows.begin + r0, i.box.rows.begin + r0 + rows.rows()}, i.box.cols}, rows});
       r0 += rows.rows();
@@ -609,7 +609,7 @@ std::vector<ReplicaRows> replica_rows(const StateDict& state) {
     if (p.replicas <= 1 || p.flat) continue;
     const RankPlan plan = plan_rank(p.spec, p.gtp, p.align, p.coord);
     if (!plan.padding_only)
-      out.push_back({p.shard.mut_view().rows(0, plan.real_rows), counts(plan.real_rows, p.replicas)});
+      out.push_back({p.shard.mut_view().slice_rows(0, plan.real_rows), counts(plan.real_rows, p.replicas)});
   }
   return out;
 }
@@ -643,7 +643,7 @@ void save_local(const StateDict& state, const fs::path& path, IoMethod method) {
   const SavePlan plan = plan_save(state, false);
   std::vector<DatasetSpec> specs;
   std::map<std::string, int> seen;
-  std::int64_t units = 0;
+  std::int64_t checksum_rows = 0;
   for (const SaveItem& i : plan.items) {
     // Pieces of one key (the parts of a flat range) are told apart by a suffix; their placement says
     // where each goes.
@@ -651,13 +651,13 @@ void save_local(const StateDict& state, const fs::path& path, IoMethod method) {
     const Box whole = whole_box(i.data.shape().dims());
     specs.push_back({n ? cat(i.key, "@", n) : i.key, i.dtype, i.data.shape().to_vector(),
                      PiecePlacement{i.key, i.global_shape, i.box}, {}, {}});
-    if (!whole.empty()) specs.back().slabs.push_back({whole, units});
-    units += units_of(whole);
+    if (!whole.empty()) specs.back().slabs.push_back({whole, checksum_rows});
+    checksum_rows += checksum_rows_of(whole);
   }
   try {
     io::TemporaryFile temp = io::TemporaryFile::create(io::Destination::of(path));
     const Skeleton skeleton =
-        create_skeleton(temp.file(), specs, {CheckpointKind::local, plan.params, plan.common, io::random_id()}, units);
+        create_skeleton(temp.file(), specs, {CheckpointKind::local, plan.params, plan.common, io::random_id()}, checksum_rows);
     PieceWriter writer(temp.file(), method, ChecksumSlot{skeleton.checksums_address, 0});
     for (std::size_t n = 0; n < plan.items.size(); ++n)
       writer.write(skeleton.datasets[n], whole_box(plan.items[n].data.shape().dims()), plan.items[n].data);

@@ -233,7 +233,7 @@ save_fails() {
   check "$what: no temporary file" test -z "$(temporary_files "$(dirname "$path")" "$(basename "$path")")"
 }
 cp "$dir/demo.h5" "$dir/keep.h5"
-for method in direct hyperslab; do
+for method in raw hyperslab; do
   for after in 0 200000 600000; do  # while creating the file, writing pieces, writing checksums
     save_fails "EIO after $after bytes ($method)" "$dir/keep.h5" env LD_PRELOAD="$faulty" FAULTY_IO_PATH=.keep.h5. \
       FAULTY_IO_ERRNO=EIO FAULTY_IO_AFTER=$after "$exe" demo --out "$dir/keep.h5" --method $method
@@ -251,7 +251,7 @@ for method in direct hyperslab; do
 done
 if [ "$(id -u)" -eq 0 ] && mkdir -p "$dir/fs" && mount -t tmpfs -o size=512k tmpfs "$dir/fs" 2> /dev/null; then
   check "small save on a small tmpfs" "$exe" demo --out "$dir/fs/c.h5" --layers 1 --mamba-layers 0 --cols 16 > /dev/null
-  for method in direct hyperslab; do
+  for method in raw hyperslab; do
     save_fails "full tmpfs ($method)" "$dir/fs/c.h5" "$exe" demo --out "$dir/fs/c.h5" --method $method
   done
   fs_mounted=1
@@ -286,7 +286,7 @@ assert d['mismatches'] == 0 and d['pad_rows_skipped'] > 0 and d['values_verified
   check "mpi load dp 4" "${mpi[@]}" "$exe" load --mpi "$dir/madam.h5" --tp 1 --gtp 1 --dp 4 --distributed-optimizer \
     --verify > /dev/null
   cp "$dir/mpi.h5" "$dir/mkeep.h5"
-  for method in direct hyperslab; do
+  for method in raw hyperslab; do
     save_fails "mpi EIO ($method)" "$dir/mkeep.h5" "${mpi[@]}" -x LD_PRELOAD="$faulty" -x FAULTY_IO_PATH=.mkeep.h5. \
       -x FAULTY_IO_ERRNO=EIO -x FAULTY_IO_AFTER=40000 "$exe" demo --mpi --out "$dir/mkeep.h5" --method $method
     # 8 MB: room for Open MPI's shared memory, not for a 15.5 MiB checkpoint.

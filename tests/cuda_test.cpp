@@ -48,7 +48,7 @@ TEST(Cuda, CopiesAndZeroFillsRunInStreamOrder) {
   const MutTensorView host = typed.mut_view();
   for (int i = 0; i < 6; ++i) host.as<float>()[static_cast<std::size_t>(i)] = static_cast<float>(i + 1);
   engine.copy_to_device(host, d.mut_view());
-  engine.zero(d.mut_view().rows(1, 2));
+  engine.zero(d.mut_view().slice_rows(1, 2));
   std::vector<float> back(6, -1);
   engine.copy_to_host(d.view(), MutTensorView::borrow(back.data(), DType::f32, {2, 3}));
   engine.wait(engine.fence());
@@ -64,7 +64,7 @@ TEST(Cuda, DeviceShardsSaveWithoutDeviceMemoryAndLoadInPlace) {
   const demo::Training adam{.adam = true, .distributed = true};
   run_ranks(2, [&](ProcessGroup& g) {
     CudaEngine engine(0);
-    const demo::Placement device{MemoryKind::device, &engine};
+    const demo::ShardMemory device{MemoryKind::device, &engine};
     demo::RankModel m = demo::build_rank(c, {1, 2, 8, 1}, g.rank(), adam, device);
     Saver saver(g, {.engine = &engine, .staging_buffer_bytes = 64 << 10});
     saver.save(m.state, dir / "warm.h5");  // the CUDA context and the pool exist from here on

@@ -132,10 +132,10 @@ TEST(ThreadRanks, HyperslabPathTakesTurnsAndWritesTheSameFile) {
   ScratchDir dir;
   const auto c = tiny_model();
   const demo::Layout l{2, 2, 4, 1};
-  for (IoMethod m : {IoMethod::direct, IoMethod::hyperslab})
+  for (IoMethod m : {IoMethod::raw, IoMethod::hyperslab})
     run_ranks(l.ranks(), [&](ProcessGroup& g) {
       demo::RankModel rank = demo::build_rank(c, l, g.rank());
-      save(rank.state, dir / (m == IoMethod::direct ? "d.h5" : "h.h5"), g, {m});
+      save(rank.state, dir / (m == IoMethod::raw ? "d.h5" : "h.h5"), g, {m});
     });
   EXPECT_TRUE(testing_support::same_tensors(dir / "d.h5", dir / "h.h5"));
   EXPECT_TRUE(testing_support::same_checksums(dir / "d.h5", dir / "h.h5"));
@@ -154,11 +154,11 @@ TEST(ThreadRanks, DataParallelReplicasEachWriteTheirShare) {
       demo::RankModel m = demo::build_rank(c, l, g.rank());
       for (const ShardedParam& p : m.state.params()) {
         const RankPlan plan = plan_rank(p.spec, p.gtp, p.align, p.coord);
-        const RowRange share = balanced_share(plan.real_rows, p.replicas, p.replica_id);
+        const Range share = balanced_share(plan.real_rows, p.replicas, p.replica_id);
         const MutTensorView shard = p.shard.mut_view();
         for (std::int64_t r = 0; r < plan.real_rows; ++r)
           if ((r >= share.begin && r < share.end) == poison_own)
-            for (bf16& x : shard.rows(r, r + 1).as<bf16>()) x = to_bf16(-1.0f);
+            for (bf16& x : shard.slice_rows(r, r + 1).as<bf16>()) x = to_bf16(-1.0f);
       }
       save(m.state, dir / "c.h5", g);
     });
@@ -534,14 +534,14 @@ TEST(ReplicaReads, ACopyThatReadsItsOwnShareFillsOnlyThoseRows) {
     for (const ShardedParam& p : dst.params()) {
       SCOPED_TRACE(cat(p.spec.key, " rank ", r));
       const RankPlan plan = plan_rank(p.spec, p.gtp, p.align, p.coord);
-      const RowRange share = balanced_share(plan.real_rows, p.replicas, p.replica_id);
+      const Range share = balanced_share(plan.real_rows, p.replicas, p.replica_id);
       ASSERT_EQ(p.replicas, 2);
       const TensorView got = p.shard.view(), want = full.tensor(p.spec.key).view();
       for (std::int64_t row = 0; row < got.rows(); ++row) {
-        const TensorView mine = got.rows(row, row + 1);
+        const TensorView mine = got.slice_rows(row, row + 1);
         const std::byte expected_byte = row < plan.real_rows ? std::byte{0xff} : std::byte{0};
         if (row >= share.begin && row < share.end) {
-          ASSERT_EQ(std::memcmp(mine.data(), want.rows(row, row + 1).data(), mine.bytes()), 0) << "row " << row;
+          ASSERT_EQ(std::memcmp(mine.data(), want.slice_rows(row, row + 1).data(), mine.bytes()), 0) << "row " << row;
           continue;
         }
         for (std::size_t b = 0; b < mine.bytes(); ++b) ASSERT_EQ(mine.data()[b], expected_byte) << "row " << row;

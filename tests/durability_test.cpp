@@ -111,7 +111,7 @@ bool large_save_fails_cleanly(const std::filesystem::path& path, IoMethod method
 }  // namespace
 
 TEST(Durability, AFileSizeLimitFailsTheSaveOnEveryRankAndKeepsTheEarlierCheckpoint) {
-  for (IoMethod method : {IoMethod::direct, IoMethod::hyperslab}) {
+  for (IoMethod method : {IoMethod::raw, IoMethod::hyperslab}) {
     ScratchDir dir;
     const int status = in_child([&] {
       // Room for the small checkpoint, not for the large one: writes past it fail with EFBIG
@@ -121,7 +121,7 @@ TEST(Durability, AFileSizeLimitFailsTheSaveOnEveryRankAndKeepsTheEarlierCheckpoi
       return large_save_fails_cleanly(dir / "ckpt.h5", method, "File too large");
     });
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
-        << (method == IoMethod::direct ? "direct" : "hyperslab") << ": status " << status;
+        << (method == IoMethod::raw ? "raw" : "hyperslab") << ": status " << status;
   }
 }
 
@@ -132,10 +132,10 @@ TEST(Durability, AFullFilesystemFailsTheSaveOnEveryRankAndKeepsTheEarlierCheckpo
   // A 384 KiB tmpfs: the small checkpoint fits, the large one does not.
   if (::getuid() != 0 || ::mount("tmpfs", mount.c_str(), "tmpfs", 0, "size=384k") != 0)
     GTEST_SKIP() << "mounting a tmpfs needs root (the file-size-limit test covers the rest)";
-  for (IoMethod method : {IoMethod::direct, IoMethod::hyperslab}) {
+  for (IoMethod method : {IoMethod::raw, IoMethod::hyperslab}) {
     const int status = in_child([&] { return large_save_fails_cleanly(mount / "ckpt.h5", method, "No space left"); });
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
-        << (method == IoMethod::direct ? "direct" : "hyperslab") << ": status " << status;
+        << (method == IoMethod::raw ? "raw" : "hyperslab") << ": status " << status;
     std::filesystem::remove(mount / "ckpt.h5");
   }
   ::umount(mount.c_str());

@@ -30,8 +30,8 @@ using testing_support::ScratchDir;
 namespace {
 
 // w.z (bf16, 6 x 4) is written in two row pieces; w.out (f32, 5 x 4 x 2) in two column bands (dim 1
-// split in halves), as a row-parallel weight is. Checksum units follow the write order below.
-constexpr std::int64_t two_units = 16;
+// split in halves), as a row-parallel weight is. Checksums follow the write order below.
+constexpr std::int64_t two_checksums = 16;
 std::vector<DatasetSpec> two_datasets(bool chunked = false) {
   return {{"w.z", DType::bf16, {6, 4}, std::nullopt, {}, {{{{0, 2}, {0, 4}}, 0}, {{{2, 6}, {0, 4}}, 2}}},
           {"w.out",
@@ -48,7 +48,7 @@ float out_value(std::size_t i) { return static_cast<float>(i) * 3; }
 void write_into(io::File& file, IoMethod method, bool chunked = false,
                 std::map<std::string, CommonValue, std::less<>> common = {{"iteration", std::int64_t{7}}}) {
   const Skeleton sk = create_skeleton(file, two_datasets(chunked),
-                                      {CheckpointKind::global, {}, std::move(common), std::string(32, 'a')}, two_units);
+                                      {CheckpointKind::global, {}, std::move(common), std::string(32, 'a')}, two_checksums);
   HostBuffer z = HostBuffer::zeros(DType::bf16, {6, 4});
   auto zv = z.mut_view().as<bf16>();
   for (std::size_t i = 0; i < zv.size(); ++i) zv[i] = to_bf16(static_cast<float>(i) + 0.5f);
@@ -60,8 +60,8 @@ void write_into(io::File& file, IoMethod method, bool chunked = false,
           out_value(static_cast<std::size_t>(r * 8 + 4 + c));
     }
   PieceWriter w(file, method, ChecksumSlot{sk.checksums_address, 0});
-  w.write(sk.datasets[0], std::vector<std::int64_t>{0, 0}, std::vector<std::int64_t>{2, 4}, z.view().rows(0, 2));
-  w.write(sk.datasets[0], std::vector<std::int64_t>{2, 0}, std::vector<std::int64_t>{4, 4}, z.view().rows(2, 6));
+  w.write(sk.datasets[0], std::vector<std::int64_t>{0, 0}, std::vector<std::int64_t>{2, 4}, z.view().slice_rows(0, 2));
+  w.write(sk.datasets[0], std::vector<std::int64_t>{2, 0}, std::vector<std::int64_t>{4, 4}, z.view().slice_rows(2, 6));
   w.write(sk.datasets[1], std::vector<std::int64_t>{0, 0, 0}, std::vector<std::int64_t>{5, 2, 2}, left.view());
   w.write(sk.datasets[1], std::vector<std::int64_t>{0, 2, 0}, std::vector<std::int64_t>{5, 2, 2}, right.view());
   w.finish();
@@ -74,9 +74,9 @@ void write_all(const std::filesystem::path& path, IoMethod method, bool chunked 
   write_into(file, method, chunked, std::move(common));
 }
 
-Skeleton skeleton_at(const std::filesystem::path& path, std::span<const DatasetSpec> datasets, std::int64_t units) {
+Skeleton skeleton_at(const std::filesystem::path& path, std::span<const DatasetSpec> datasets, std::int64_t checksum_rows) {
   io::File file = io::File::create(path);
-  return create_skeleton(file, datasets, {}, units);
+  return create_skeleton(file, datasets, {}, checksum_rows);
 }
 
 std::vector<float> read_out(const CheckpointReader& r, ReadOptions options = {}) {
@@ -130,10 +130,10 @@ TEST(Format, BothWritePathsProduceIdenticalTensorsContiguousOrChunked) {
   for (bool chunked : {false, true}) {
     const auto direct = dir / (chunked ? "direct-c.h5" : "direct.h5"),
                hyper = dir / (chunked ? "hyper-c.h5" : "hyper.h5");
-    write_all(direct, IoMethod::direct, chunked);
+    write_all(direct, IoMethod::raw, chunked);
     write_all(hyper, IoMethod::hyperslab, chunked);
     const CheckpointReader a(direct), b(hyper);
-    for (IoMethod m : {IoMethod::direct, IoMethod::hyperslab}) {
+    for (IoMethod m : {IoMethod::raw, IoMethod::hyperslab}) {
       const auto va = read_out(a, {m}), vb = read_out(b, {m});
       EXPECT_EQ(va, vb);
       for (std::size_t i = 0; i < va.size(); ++i) ASSERT_EQ(va[i], out_value(i)) << i;
@@ -147,12 +147,12 @@ TEST(Format, BothWritePathsProduceIdenticalTensorsContiguousOrChunked) {
 
 TEST(Format, ChunkedBandsReadAtAnyWidthAndEveryReadIsChecked) {
   ScratchDir dir;
-  write_all(dir / "c.h5", IoMethod::direct, true);
+  write_all(dir / "c.h5", IoMethod::raw, true);
   const CheckpointReader r(dir / "c.h5");
   const DatasetInfo& d = r.dataset("w.out");
   // Rows 1..4 of dim-1 columns [1, 3): across both bands, both row chunks, and half of each saved
   // unit (those are read whole, checked, and their asked-for part copied).
-  for (IoMethod m : {IoMethod::direct, IoMethod::hyperslab}) {
+  for (IoMethod m : {IoMethod::raw, IoMethod::hyperslab}) {
     HostBuffer b = HostBuffer::zeros(DType::f32, {3, 2, 2});
     r.read(d, std::vector<std::int64_t>{1, 1, 0}, std::vector<std::int64_t>{3, 2, 2}, b.mut_view(), {m});
     const auto v = b.view().as<float>();
@@ -165,7 +165,7 @@ TEST(Format, ChunkedBandsReadAtAnyWidthAndEveryReadIsChecked) {
 
 TEST(Format, DatasetsHaveGlobalShapesAndTheMetadataIsComplete) {
   ScratchDir dir;
-  write_all(dir / "c.h5", IoMethod::direct);
+  write_all(dir / "c.h5", IoMethod::raw);
   const CheckpointReader r(dir / "c.h5");
   ASSERT_EQ(r.datasets().size(), 2u);
   EXPECT_EQ(r.version(), format_version);
@@ -179,16 +179,16 @@ TEST(Format, DatasetsHaveGlobalShapesAndTheMetadataIsComplete) {
   r.read(z, std::vector<std::int64_t>{1, 0}, std::vector<std::int64_t>{3, 4}, rows.mut_view());
   EXPECT_EQ(to_f32(rows.view().as<bf16>()[0]), 4.5f);  // element (1, 0) = 4 + 0.5
   ASSERT_EQ(r.slabs(z).size(), 2u);
-  EXPECT_EQ(r.slabs(z)[1].box.rows, (RowRange{2, 6}));
-  EXPECT_EQ(r.slabs(z)[1].first_unit, 2);
+  EXPECT_EQ(r.slabs(z)[1].box.rows, (Range{2, 6}));
+  EXPECT_EQ(r.slabs(z)[1].first_checksum, 2);
 }
 
 TEST(Format, H5pyReadsTheTensorsAndRecomputesEveryChecksum) {
   if (!have_python_module("h5py") || !have_python_module("xxhash")) GTEST_SKIP() << "h5py or xxhash is missing";
   ScratchDir dir;
-  write_all(dir / "c.h5", IoMethod::direct);
+  write_all(dir / "c.h5", IoMethod::raw);
   // What docs/format.md says a checksum is, checked by another implementation: XXH3-64 of the
-  // stored bytes of each row of each slab, at first_unit + (row - first row) in the table.
+  // stored bytes of each row of each slab, at first_checksum + (row - first row) in the table.
   EXPECT_EQ(run_python(R"(
 import h5py, numpy as np, sys, xxhash
 path = sys.argv[1]
@@ -216,9 +216,9 @@ assert checked == 16, checked
 TEST(Format, AFlippedDataByteIsCorruptNamingTheFileKeyAndRows) {
   if (!have_python_module("h5py")) GTEST_SKIP() << "h5py is missing";
   ScratchDir dir;
-  for (IoMethod m : {IoMethod::direct, IoMethod::hyperslab}) {
-    const auto file = dir / (m == IoMethod::direct ? "d.h5" : "h.h5");
-    write_all(file, IoMethod::direct);
+  for (IoMethod m : {IoMethod::raw, IoMethod::hyperslab}) {
+    const auto file = dir / (m == IoMethod::raw ? "d.h5" : "h.h5");
+    write_all(file, IoMethod::raw);
     // Element (3, 1) of w.z: in the second slab, row 3.
     flip_byte(file, data_address(file, "w.z") + (3 * 4 + 1) * 2);
     const CheckpointReader r(file);
@@ -237,7 +237,7 @@ TEST(Format, AFlippedDataByteIsCorruptNamingTheFileKeyAndRows) {
                            all.mut_view(), {m, false}));
     const VerifyReport v = verify_checkpoint(r);
     EXPECT_EQ(v.mismatches, 1);
-    EXPECT_EQ(v.units, two_units);
+    EXPECT_EQ(v.checksum_rows, two_checksums);
     ASSERT_EQ(v.problems.size(), 1u);
     EXPECT_TRUE(contains(v.problems[0], "rows [3, 4)")) << v.problems[0];
   }
@@ -246,7 +246,7 @@ TEST(Format, AFlippedDataByteIsCorruptNamingTheFileKeyAndRows) {
 TEST(Format, AFlippedByteInAPartOfAUnitOutsideTheReadIsStillFound) {
   if (!have_python_module("h5py")) GTEST_SKIP() << "h5py is missing";
   ScratchDir dir;
-  write_all(dir / "c.h5", IoMethod::direct);
+  write_all(dir / "c.h5", IoMethod::raw);
   // w.out row 2, flat element 1 (left band, dim-1 column 0): a read of dim-1 column 1 only still
   // reads the whole left-band unit of row 2 to check it.
   flip_byte(dir / "c.h5", data_address(dir / "c.h5", "w.out") + (2 * 8 + 1) * 4);
@@ -263,7 +263,7 @@ TEST(Format, AFlippedByteInAPartOfAUnitOutsideTheReadIsStillFound) {
 
 TEST(Format, ReadsRejectAWrongDtypeOrSlab) {
   ScratchDir dir;
-  write_all(dir / "c.h5", IoMethod::direct);
+  write_all(dir / "c.h5", IoMethod::raw);
   const CheckpointReader r(dir / "c.h5");
   HostBuffer f = HostBuffer::zeros(DType::f32, {6, 4});
   EXPECT_EQ(error_of([&] {
@@ -284,7 +284,7 @@ TEST(Format, FilesThatAreNotCompleteCheckpointsAreRefused) {
   std::ofstream(dir / "text.h5") << "not hdf5 at all";
   EXPECT_EQ(error_of([&] { CheckpointReader r(dir / "text.h5"); }).code(), Errc::not_a_checkpoint);
   // A skeleton that was never marked complete: a save that died half-way.
-  (void)skeleton_at(dir / "partial.h5", two_datasets(), two_units);
+  (void)skeleton_at(dir / "partial.h5", two_datasets(), two_checksums);
   const Error e = error_of([&] { CheckpointReader r(dir / "partial.h5"); });
   EXPECT_EQ(e.code(), Errc::not_a_checkpoint);
   EXPECT_TRUE(contains(e.what(), "did not finish")) << e.what();
@@ -297,7 +297,7 @@ TEST(Format, FilesThatAreNotCompleteCheckpointsAreRefused) {
 
 TEST(Format, TruncatedFileIsRefused) {
   ScratchDir dir;
-  write_all(dir / "c.h5", IoMethod::direct);
+  write_all(dir / "c.h5", IoMethod::raw);
   // Past the seal's trailer and into what HDF5 wrote.
   std::filesystem::resize_file(dir / "c.h5", std::filesystem::file_size(dir / "c.h5") - 4096);
   EXPECT_EQ(error_of([&] {
@@ -310,7 +310,7 @@ TEST(Format, TruncatedFileIsRefused) {
 TEST(Format, TheSealCatchesDamagedMetadataBeforeHdf5ReadsIt) {
   ScratchDir dir;
   const auto file = dir / "c.h5";
-  write_all(file, IoMethod::direct);
+  write_all(file, IoMethod::raw);
   const std::optional<std::uint64_t> seal = CheckpointReader(file).seal();
   ASSERT_TRUE(seal.has_value());
   const std::string good = testing_support::file_bytes(file);
@@ -343,7 +343,7 @@ TEST(Format, CommitReplacesAtomicallyAndDiscardCleansUp) {
   const auto final_path = dir / "ckpt.h5";
   {
     io::TemporaryFile temp = io::TemporaryFile::create(io::Destination::of(final_path));
-    write_into(temp.file(), IoMethod::direct);
+    write_into(temp.file(), IoMethod::raw);
     EXPECT_FALSE(std::filesystem::exists(final_path));
     temp.commit();
   }
@@ -352,7 +352,7 @@ TEST(Format, CommitReplacesAtomicallyAndDiscardCleansUp) {
   const std::string before = testing_support::file_bytes(final_path);
   {
     io::TemporaryFile temp = io::TemporaryFile::create(io::Destination::of(final_path));
-    (void)create_skeleton(temp.file(), two_datasets(), {}, two_units);
+    (void)create_skeleton(temp.file(), two_datasets(), {}, two_checksums);
     EXPECT_EQ(testing_support::temporary_files(dir.path()).size(), 1u);
     temp.discard();
     EXPECT_TRUE(testing_support::temporary_files(dir.path()).empty());
@@ -366,9 +366,9 @@ TEST(Format, CommitReplacesAtomicallyAndDiscardCleansUp) {
 
 TEST(Format, AReaderKeepsReadingTheFileItOpenedWhenThePathIsReplaced) {
   ScratchDir dir;
-  write_all(dir / "a.h5", IoMethod::direct, false, {{"tag", std::string("old")}});
+  write_all(dir / "a.h5", IoMethod::raw, false, {{"tag", std::string("old")}});
   const CheckpointReader r(dir / "a.h5");
-  write_all(dir / "b.h5", IoMethod::direct, false, {{"tag", std::string("new")}});
+  write_all(dir / "b.h5", IoMethod::raw, false, {{"tag", std::string("new")}});
   std::filesystem::resize_file(dir / "b.h5", 4096);  // what the new file holds does not matter to r
   std::filesystem::rename(dir / "b.h5", dir / "a.h5");
   EXPECT_EQ(std::get<std::string>(r.contents().common.at("tag")), "old");
@@ -443,7 +443,7 @@ TEST(Format, LargeParameterRecordsAndManyCommonValuesFitAndReadInLinearTime) {
 TEST(Format, ReadsWhatH5pyAddsAndRefusesWhatIsNotOurs) {
   if (!have_python_module("h5py")) GTEST_SKIP() << "h5py is missing";
   ScratchDir dir;
-  write_all(dir / "c.h5", IoMethod::direct);
+  write_all(dir / "c.h5", IoMethod::raw);
   const auto py = [&](const std::string& code) {
     return run_python("import h5py, numpy as np, sys\nf = h5py.File(sys.argv[1], 'r+')\n" + code + "\n",
                       (dir / "c.h5").string());
@@ -511,7 +511,7 @@ TEST(Format, HostileAttributesAreRefusedByName) {
   for (const Case& c : cases) {
     const auto file = dir / "h.h5";
     std::filesystem::remove(file);
-    write_all(file, IoMethod::direct);
+    write_all(file, IoMethod::raw);
     ASSERT_EQ(run_python(std::string("import h5py, numpy as np, sys\nf = h5py.File(sys.argv[1], 'r+')\n"
                                      "m = f['_shardckpt']\n") +
                              c.code + "\n",
@@ -541,7 +541,7 @@ TEST(Format, HostileSlabTablesAreRefused) {
   for (const char* code : cases) {
     const auto file = dir / "s.h5";
     std::filesystem::remove(file);
-    write_all(file, IoMethod::direct);
+    write_all(file, IoMethod::raw);
     ASSERT_EQ(run_python(std::string("import h5py, numpy as np, sys\nf = h5py.File(sys.argv[1], 'r+')\n"
                                      "a = f['_shardckpt/slabs'].attrs\nt = a['w.z'].copy()\n") +
                              code + "\na['w.z'] = t\n",
@@ -570,7 +570,7 @@ TEST(Format, ParamRecordsThatContradictTheDatasetsAreRefused) {
   for (const char* params : cases) {
     const auto file = dir / "p.h5";
     std::filesystem::remove(file);
-    write_all(file, IoMethod::direct);
+    write_all(file, IoMethod::raw);
     ASSERT_EQ(run_python("import h5py, numpy as np, sys\nf = h5py.File(sys.argv[1], 'r+')\n"
                          "f['_shardckpt'].attrs['params'] = np.bytes_(sys.argv[2])\n",
                          file.string() + " '" + params + "'"),
@@ -602,7 +602,7 @@ with h5py.File(sys.argv[1], "w") as f:
   for (std::size_t i = 0; i < v.size(); ++i) ASSERT_EQ(v[i], out_value(i)) << i;
   const VerifyReport report = verify_checkpoint(r);
   EXPECT_FALSE(report.checksummed);
-  EXPECT_EQ(report.units, 0);
+  EXPECT_EQ(report.checksum_rows, 0);
 }
 
 TEST(Format, ManyChunksAreReadInLinearTime) {
@@ -642,7 +642,7 @@ TEST(Format, TheFuzzersInputsAreRefusedOrReadWithoutCrashing) {
 TEST(Format, AFileChangedInPlaceUnderAReaderIsAnErrorNeverACrash) {
   ScratchDir dir;
   const auto file = dir / "c.h5";
-  write_all(file, IoMethod::direct);
+  write_all(file, IoMethod::raw);
   const std::string good = testing_support::file_bytes(file);
   const std::uint64_t digest = *CheckpointReader(file).seal();
   // The datasets' headers are read on first use: after the open, scribble over every byte between the

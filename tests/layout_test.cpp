@@ -102,7 +102,7 @@ TEST(GtpGeometry, SeedExampleHasFullPartlyPaddedAndPaddingOnlyRanks) {
   EXPECT_EQ(g.shard_rows(), 992);
   for (int r = 0; r <= 61; ++r) EXPECT_EQ(g.real_count(r), 992) << r;
   EXPECT_EQ(g.real_count(62), 256);
-  EXPECT_EQ(g.real_rows(62), (RowRange{61'504, 61'760}));
+  EXPECT_EQ(g.real_rows(62), (Range{61'504, 61'760}));
   EXPECT_TRUE(g.padding_only(63));
   EXPECT_FALSE(g.padding_only(62));
   EXPECT_EQ(g.padding_only_ranks(), 1);
@@ -421,7 +421,7 @@ TEST(BalancedShare, SharesTileTheRangeInOrderAndDifferByAtMostOne) {
     for (std::int64_t count = 1; count <= 9; ++count) {
       std::int64_t cursor = 0, smallest = n, largest = 0;
       for (std::int64_t i = 0; i < count; ++i) {
-        const RowRange s = balanced_share(n, count, i);
+        const Range s = balanced_share(n, count, i);
         ASSERT_EQ(s.begin, cursor) << "n " << n << " count " << count << " share " << i;
         ASSERT_LE(s.begin, s.end);
         cursor = s.end;

@@ -120,7 +120,7 @@ TEST(EmulatedDevice, CopiesRoundTripInStreamOrderAndAreCounted) {
   EXPECT_EQ(d.space(), MemorySpace::on_device(3));
   std::vector<float> in{1, 2, 3, 4, 5, 6};
   device.copy_to_device(TensorView::borrow(in.data(), DType::f32, {2, 3}), d.mut_view());
-  device.zero(d.mut_view().rows(1, 2));  // after the copy, on the same stream
+  device.zero(d.mut_view().slice_rows(1, 2));  // after the copy, on the same stream
   EXPECT_EQ(read_device(device, d.view()), (std::vector<float>{1, 2, 3, 0, 0, 0}));
   const EngineStats s = device.stats();
   EXPECT_EQ(s.device_allocations, 1u);
@@ -226,8 +226,8 @@ TEST(DeviceSave, DeviceShardsWithoutAnEngineFailEveryRankAndWriteNothing) {
   try {
     run_ranks(2, [&](ProcessGroup& g) {
       // Rank 1's shards live on the device, and its save has no engine to move them.
-      const demo::Placement where =
-          g.rank() == 1 ? demo::Placement{MemoryKind::device, &device} : demo::Placement{};
+      const demo::ShardMemory where =
+          g.rank() == 1 ? demo::ShardMemory{MemoryKind::device, &device} : demo::ShardMemory{};
       demo::RankModel m = demo::build_rank(c, l, g.rank(), {}, where);
       try {
         save(m.state, dir / "a.h5", g);
@@ -346,7 +346,7 @@ TEST(AsyncSave, ReturnsOnceStagedAndSavesTheWeightsAsTheyWere) {
   for (const bool on_device : {false, true}) {
     run_ranks(l.ranks(), [&](ProcessGroup& g) {
       EmulatedDevice device;
-      const demo::Placement where = on_device ? demo::Placement{MemoryKind::device, &device} : demo::Placement{};
+      const demo::ShardMemory where = on_device ? demo::ShardMemory{MemoryKind::device, &device} : demo::ShardMemory{};
       demo::RankModel m = demo::build_rank(c, l, g.rank(), {}, where);
       Saver saver(g, {.engine = on_device ? &device : nullptr});
       AsyncSave pending = saver.save_async(m.state, dir / "a.h5");

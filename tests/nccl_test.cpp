@@ -51,7 +51,7 @@ TEST(Nccl, DeviceShardsSaveAndLoadInPlaceOverNccl) {
     group.barrier();
 
     CudaEngine engine(group.rank());
-    const demo::Placement device{MemoryKind::device, &engine};
+    const demo::ShardMemory device{MemoryKind::device, &engine};
     demo::RankModel m = demo::build_rank(c, {1, ranks, 8, 1}, group.rank(), adam, device);
     Saver saver(group, {.engine = &engine, .staging_buffer_bytes = 1 << 20});
     saver.save(m.state, dir / "nccl.h5");

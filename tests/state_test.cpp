@@ -38,7 +38,7 @@ demo::ModelConfig small_model() {
 }
 
 void save_model(const demo::ModelConfig& c, const demo::Layout& l, const std::filesystem::path& path,
-                IoMethod method = IoMethod::direct) {
+                IoMethod method = IoMethod::raw) {
   run_ranks(l.ranks(), [&](ProcessGroup& g) {
     demo::RankModel m = demo::build_rank(c, l, g.rank());
     save(m.state, path, g, {method});
@@ -101,7 +101,7 @@ TEST(Save, NoPadRowReachesTheFile) {
     for (std::size_t p = 0; p < specs.size(); ++p) {
       const RankPlan plan = plan_rank(specs[p], l.gtp, l.align, {0, r});
       const MutTensorView shard = models[static_cast<std::size_t>(r)].state.params()[p].shard.mut_view();
-      auto v = shard.rows(plan.real_rows, plan.geometry.shard_rows()).as<bf16>();
+      auto v = shard.slice_rows(plan.real_rows, plan.geometry.shard_rows()).as<bf16>();
       for (auto& x : v) x = to_bf16(poison);
     }
   }
@@ -113,7 +113,7 @@ TEST(Save, NoPadRowReachesTheFile) {
     std::vector<std::int64_t> zero(d.shape.size(), 0);
     const std::int64_t n = element_count(d.shape);
     HostBuffer all = HostBuffer::zeros(d.dtype, Extents(std::span<const std::int64_t>(d.shape)));
-    reader.read(d, zero, d.shape, all.mut_view(), {IoMethod::direct});
+    reader.read(d, zero, d.shape, all.mut_view(), {IoMethod::raw});
     for (std::int64_t i = 0; i < n; ++i) {
       ASSERT_NE(as_f32(all.view(), static_cast<std::size_t>(i)), to_f32(to_bf16(poison))) << d.key << " element " << i;
       ASSERT_EQ(as_f32(all.view(), static_cast<std::size_t>(i)),
@@ -181,8 +181,8 @@ TEST(Save, ReferenceCasePiecesAreThePlainTpChunksAndLoadsGiveThePaddedTpLocalTen
     // The GTP boundary cuts V2: 2 rows on GTP rank 0, 8 on GTP rank 1.
     const auto& v2 = pieces["decoder.layers.0.mixer.in_proj.weight.V2"];
     ASSERT_EQ(v2.size(), 2u);
-    EXPECT_EQ(v2[0].box.rows, (RowRange{t * 10, t * 10 + 2}));
-    EXPECT_EQ(v2[1].box.rows, (RowRange{t * 10 + 2, t * 10 + 10}));
+    EXPECT_EQ(v2[0].box.rows, (Range{t * 10, t * 10 + 2}));
+    EXPECT_EQ(v2[1].box.rows, (Range{t * 10 + 2, t * 10 + 10}));
     ASSERT_EQ(pieces.size(), chunks.items.size());
     for (const SaveItem& chunk : chunks.items) {
       SCOPED_TRACE(chunk.key);
@@ -198,7 +198,7 @@ TEST(Save, ReferenceCasePiecesAreThePlainTpChunksAndLoadsGiveThePaddedTpLocalTen
         EXPECT_EQ(p.box.cols, chunk.box.cols);
         ASSERT_EQ(p.box.rows.begin, row);
         ASSERT_EQ(p.data.rows(), p.box.rows.size());
-        const TensorView same = chunk.data.rows(row - chunk.box.rows.begin, p.box.rows.end - chunk.box.rows.begin);
+        const TensorView same = chunk.data.slice_rows(row - chunk.box.rows.begin, p.box.rows.end - chunk.box.rows.begin);
         ASSERT_EQ(p.data.bytes(), same.bytes());
         EXPECT_EQ(std::memcmp(p.data.data(), same.data(), same.bytes()), 0) << "rows from " << row;
         row = p.box.rows.end;
@@ -223,10 +223,10 @@ TEST(Save, ReferenceCasePiecesAreThePlainTpChunksAndLoadsGiveThePaddedTpLocalTen
       ASSERT_EQ(shard.rows(), geo.shard_rows());
       std::int64_t pad_rows = 0;
       for (std::int64_t row = 0; row < shard.rows(); ++row) {
-        const TensorView mine = shard.rows(row, row + 1);
+        const TensorView mine = shard.slice_rows(row, row + 1);
         const std::int64_t padded_row = at.gtp * geo.shard_rows() + row;
         if (padded_row < local.rows()) {
-          ASSERT_EQ(std::memcmp(mine.data(), local.rows(padded_row, padded_row + 1).data(), mine.bytes()), 0) << row;
+          ASSERT_EQ(std::memcmp(mine.data(), local.slice_rows(padded_row, padded_row + 1).data(), mine.bytes()), 0) << row;
         } else {
           ++pad_rows;
           for (std::size_t b = 0; b < mine.bytes(); ++b) ASSERT_EQ(mine.data()[b], std::byte{0}) << "pad row " << row;
@@ -346,12 +346,12 @@ TEST(Load, PlainTpAndGatherSavedCheckpointsLoadAtAnyGtpAndTp2ToTp1KeepsBlockOrde
 TEST(Load, HyperslabAndDirectPathsAgree) {
   ScratchDir dir;
   const auto c = small_model();
-  save_model(c, {2, 2, 8, 1}, dir / "d.h5", IoMethod::direct);
+  save_model(c, {2, 2, 8, 1}, dir / "d.h5", IoMethod::raw);
   save_model(c, {2, 2, 8, 1}, dir / "h.h5", IoMethod::hyperslab);
   const demo::Layout l{1, 2, 4, 1};
   for (int r = 0; r < l.ranks(); ++r) {
     const LoadedState a = load(dir / "d.h5", demo::request(c, l, r), {IoMethod::hyperslab});
-    const LoadedState b = load(dir / "h.h5", demo::request(c, l, r), {IoMethod::direct});
+    const LoadedState b = load(dir / "h.h5", demo::request(c, l, r), {IoMethod::raw});
     for (const ParamSpec& p : demo::params(c, l.tp)) {
       const SharedBuffer& x = a.tensor(p.key);
       const SharedBuffer& y = b.tensor(p.key);
@@ -494,10 +494,10 @@ class SeedScale : public ::testing::TestWithParam<std::tuple<DType, IoMethod>> {
 
 INSTANTIATE_TEST_SUITE_P(DtypesAndWriteMethods, SeedScale,
                          ::testing::Combine(::testing::Values(DType::bf16, DType::f32),
-                                            ::testing::Values(IoMethod::direct, IoMethod::hyperslab)),
+                                            ::testing::Values(IoMethod::raw, IoMethod::hyperslab)),
                          [](const auto& info) {
                            return cat(dtype_name(std::get<0>(info.param)), "_",
-                                      std::get<1>(info.param) == IoMethod::direct ? "direct" : "hyperslab");
+                                      std::get<1>(info.param) == IoMethod::raw ? "raw" : "hyperslab");
                          });
 
 TEST_P(SeedScale, FullPartlyPaddedAndPaddingOnlyRanksRoundTripOnTheGlobalPath) {

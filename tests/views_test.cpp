@@ -38,18 +38,18 @@ TEST(Views, RowsViewTheSameMemory) {
   HostBuffer b = HostBuffer::zeros(DType::f32, {6, 2});
   auto all = b.mut_view().as<float>();
   for (std::size_t i = 0; i < all.size(); ++i) all[i] = static_cast<float>(i);
-  const TensorView mid = b.view().rows(2, 5);
+  const TensorView mid = b.view().slice_rows(2, 5);
   EXPECT_EQ(mid.rows(), 3);
   EXPECT_EQ(mid.data(), b.view().data() + 2 * 2 * sizeof(float));
   EXPECT_EQ(mid.as<float>()[0], 4.0f);
   EXPECT_EQ(mid.bytes(), 24u);
-  EXPECT_TRUE(b.view().rows(3, 3).empty());
+  EXPECT_TRUE(b.view().slice_rows(3, 3).empty());
 }
 
 TEST(Views, OutOfRangeRowsAreAnError) {
   HostBuffer b = HostBuffer::zeros(DType::bf16, {4, 2});
   try {
-    (void)b.view().rows(2, 5);
+    (void)b.view().slice_rows(2, 5);
     FAIL();
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), Errc::invalid_argument);
@@ -96,7 +96,7 @@ TEST(Materialize, ForbiddenMaterializationIsCaught) {
     }
     EXPECT_TRUE(materialization_forbidden());  // still inside the outer guard
     try {
-      (void)materialize(a.view().rows(0, 2));
+      (void)materialize(a.view().slice_rows(0, 2));
       FAIL() << "a forbidden materialization went through";
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), Errc::materialization_forbidden);

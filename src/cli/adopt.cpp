@@ -37,7 +37,7 @@ Model model_of(const std::string& path) {
   text << in.rdbuf();
   const std::string json = text.str();
   if (json.find_first_not_of(" \t\r\n") != std::string::npos && json[json.find_first_not_of(" \t\r\n")] == '[')
-    return {records_of(json), {}};
+    return {parse_records(json), {}};
   CheckpointContents contents;
   contents.common.emplace("model_config", json);
   const std::optional<demo::ModelConfig> config = demo::config_of(contents);

@@ -29,7 +29,7 @@ struct DemoFlags {
   DeviceFlags device;
   demo::Layout load{1, 0, 8, 0};
   bool load_align_given = false;
-  std::string method = "direct";
+  std::string method = "raw";
   bool no_checksums = false;
   bool phases = false;
   bool async = false;

@@ -26,7 +26,7 @@ struct LoadFlags {
   std::string file;
   LayoutFlags layout;
   DeviceFlags device;
-  std::string method = "direct";
+  std::string method = "raw";
   bool verify = false;
   bool no_checksums = false;
   bool bypass_page_cache = false;

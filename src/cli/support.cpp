@@ -33,13 +33,13 @@ void add_json(CLI::App& cmd, Global& global) {
 
 void add_method(CLI::App& cmd, std::string& method) {
   cmd.add_option("--method", method,
-                 "direct: pwrite/pread at the datasets' file addresses, all ranks at once; hyperslab: HDF5 "
+                 "raw: pwrite/pread at the datasets' file addresses, all ranks at once; hyperslab: HDF5 "
                  "hyperslab I/O (saving ranks take turns)")
-      ->check(CLI::IsMember({"direct", "hyperslab"}))
+      ->check(CLI::IsMember({"raw", "hyperslab"}))
       ->capture_default_str();
 }
 
-IoMethod method_of(const std::string& name) { return name == "hyperslab" ? IoMethod::hyperslab : IoMethod::direct; }
+IoMethod method_of(const std::string& name) { return name == "hyperslab" ? IoMethod::hyperslab : IoMethod::raw; }
 
 void ModelFlags::add(CLI::App& cmd) {
   const auto size = CLI::Range(std::int64_t{1}, max_size);

@@ -42,7 +42,7 @@ Runner add_verify(CLI::App& app, Global& global) {
                                 {"checksummed", r.checksummed},
                                 {"datasets", r.datasets},
                                 {"bytes", r.bytes},
-                                {"rows_checked", r.units},
+                                {"rows_checked", r.checksum_rows},
                                 {"mismatches", r.mismatches},
                                 {"problems", r.problems},
                                 {"seconds", seconds},
@@ -54,7 +54,7 @@ Runner add_verify(CLI::App& app, Global& global) {
                   reader.version() < 2 ? "written before checksums existed" : "saved without them");
     } else {
       std::printf("%s: %lld tensors, %s, %lld rows checked in %.3f s: %s\n", file->c_str(),
-                  static_cast<long long>(r.datasets), mib_text(r.bytes).c_str(), static_cast<long long>(r.units),
+                  static_cast<long long>(r.datasets), mib_text(r.bytes).c_str(), static_cast<long long>(r.checksum_rows),
                   seconds, r.mismatches ? "MISMATCH" : "every byte matches its checksum");
     }
     for (const std::string& p : r.problems) std::cerr << "shardckpt: " << p << "\n";
