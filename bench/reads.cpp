@@ -94,7 +94,7 @@ std::int64_t shard_bytes(const Run& run, const demo::Layout& l) {
   for (int rank = 0; rank < l.ranks(); ++rank) {
     const StateDict request = demo::request(run.config, l, rank);
     for (const ShardedParam& p : request.params())
-      n += p.shard_shape().elements() * static_cast<std::int64_t>(dtype_size(p.dtype));
+      n += p.shard_shape().elements() * element_bytes(p.dtype);
   }
   return n;
 }

@@ -24,8 +24,6 @@ import shardckpt.demo;
 
 export namespace shardckpt::cli {
 
-inline constexpr std::string_view version = "0.2.0";
-
 // 0: done; 1: a verification found bytes or values that differ from what was saved; 2: an error
 // (usage, a bad layout, not a checkpoint, I/O...).
 enum Exit : int { success = 0, mismatch = 1, failure = 2 };

@@ -7,12 +7,15 @@ module;
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <functional>
+#include <map>
 #include <span>
 #include <sstream>
 #include <string>
 #include <string_view>
 #include <type_traits>
 #include <utility>
+#include <variant>
 export module shardckpt.core;
 
 export namespace shardckpt {
@@ -39,6 +42,9 @@ enum class Errc : std::uint8_t {
 
 std::string_view errc_name(Errc code) noexcept;
 
+// The library's version, as its build (meson.build's project version) gives it: "0.2.0".
+std::string_view library_version() noexcept;
+
 // The library's only exception. Context is prepended on the way up ("while saving key K: ..."),
 // so the message reads from the outermost operation to the root cause.
 class Error : public std::exception {
@@ -56,6 +62,11 @@ class Error : public std::exception {
   Errc code_;
   std::string message_;
 };
+
+// A value saved once for a whole checkpoint (an iteration, a learning rate, a configuration), and
+// values by key. Using them needs <variant> (std::get) and <map> (at, find) in the using file.
+using CommonValue = std::variant<std::int64_t, double, std::string>;
+using Values = std::map<std::string, CommonValue, std::less<>>;
 
 // Builds a message from streamable parts: cat("key ", key, " rows [", lo, ", ", hi, ")").
 template <class... Parts>
@@ -196,6 +207,8 @@ using DTypeCppTypes = TypeList<bf16, f16, float, double, std::int8_t, std::int16
 
 constexpr const DTypeInfo& dtype_info(DType t) noexcept { return dtype_table[static_cast<std::size_t>(t)]; }
 constexpr std::size_t dtype_size(DType t) noexcept { return dtype_info(t).size; }
+// The same as a signed count, for arithmetic with element counts and offsets.
+constexpr std::int64_t element_bytes(DType t) noexcept { return static_cast<std::int64_t>(dtype_info(t).size); }
 constexpr std::string_view dtype_name(DType t) noexcept { return dtype_info(t).name; }
 
 // Parses a name printed by dtype_name; throws Errc::invalid_argument otherwise.

@@ -31,21 +31,6 @@ export namespace shardckpt {
 // 1: parameters and common values; 2: adds data checksums and the checkpoint id. Both are read.
 inline constexpr int format_version = 2;
 
-// A value saved once for the whole checkpoint (iteration, configuration...).
-using CommonValue = std::variant<std::int64_t, double, std::string>;
-
-// A fused (or plain) parameter as the checkpoint records it: blocks with their global row counts,
-// in row order, and the global trailing dims. Enough to plan the parameter at any TP.
-struct ParamRecord {
-  std::string key;
-  TpAxis tp_axis = TpAxis::rows;
-  std::vector<Section> blocks;
-  std::vector<std::int64_t> trailing;
-  friend bool operator==(const ParamRecord&, const ParamRecord&) = default;
-};
-ParamRecord record_of(const ParamSpec& spec);
-ParamSpec spec_at_tp(const ParamRecord& record, std::int64_t tp);
-
 // Where one rank's piece sits in its global dataset (local checkpoints keep it beside the data).
 struct PiecePlacement {
   std::string key;  // the global dataset's key
@@ -69,40 +54,35 @@ struct ExternalData {
   std::string file;
   std::uint64_t offset = 0;
 };
-struct DatasetSpec {
-  std::string key;
-  DType dtype = DType::f32;
-  std::vector<std::int64_t> shape;
-  std::optional<PiecePlacement> placement;  // local checkpoints only
-  // Chunk dims, or empty for a contiguous dataset (see datasets_of).
-  std::vector<std::int64_t> chunk;
-  std::vector<Slab> slabs;
-  std::optional<ExternalData> external = {};  // adopted files only
-};
-
-// The datasets of a validated claim set, one per key in key order. `first_checksums[i]` is where the
-// checksums of claims[i] start (ignored for replicas and empty claims). The chunking policy: a
-// dataset whose pieces all split dim 1 into equal, aligned bands (row-parallel weights under TP) is
-// chunked one band wide, so that each band's rows are contiguous bytes; the rest are contiguous.
-std::vector<DatasetSpec> datasets_of(std::span<const Claim> claims, std::span<const std::int64_t> first_checksums);
-
-// Raw data the direct path can address: the elements `box` of a dataset, stored row-major from
-// `address` with rows of box.cols.size() elements. A contiguous dataset is one extent; a chunked one
+// Raw data the raw path can address: the elements `box` of a dataset, stored row-major from
+// `address` with rows of box.cols.size() elements. A contiguous dataset is one region; a chunked one
 // has one per chunk (an edge chunk's box reaches past the data).
 struct RawRegion {
   Box box;
   std::uint64_t address = 0;
 };
 
-// A tensor dataset. `extents` are filled by create_skeleton for the writers' direct path (a
-// reader finds them itself).
-struct DatasetInfo {
+// A tensor dataset: its key, dtype and global shape, and as far as they apply how it is stored: where
+// a local file's piece belongs (placement), its chunk dims (empty: contiguous, see datasets_of), the
+// slabs its writers fill, external storage (adopted files), and the raw regions its bytes lie in
+// (filled by create_skeleton for the writers' raw path; a reader finds them itself).
+struct Dataset {
   std::string key;
   DType dtype = DType::f32;
   std::vector<std::int64_t> shape;
-  std::vector<RawRegion> extents;
-  std::optional<PiecePlacement> placement;
+  std::optional<PiecePlacement> placement = {};
+  std::vector<std::int64_t> chunk = {};
+  std::vector<Slab> slabs = {};
+  std::optional<ExternalData> external = {};
+  std::vector<RawRegion> regions = {};
 };
+
+// The datasets of a validated claim set, one per key in key order. `first_checksums[i]` is where the
+// checksums of claims[i] start (ignored for replicas and empty claims). The chunking policy: a
+// dataset whose pieces all split dim 1 into equal, aligned bands (row-parallel weights under TP) is
+// chunked one band wide, so that each band's rows are contiguous bytes; the rest are contiguous.
+std::vector<Dataset> datasets_of(std::span<const Claim> claims, std::span<const std::int64_t> first_checksums);
+
 
 enum class CheckpointKind : std::uint8_t { global, local };
 
@@ -111,7 +91,7 @@ enum class CheckpointKind : std::uint8_t { global, local };
 struct CheckpointContents {
   CheckpointKind kind = CheckpointKind::global;
   std::vector<ParamRecord> params;
-  std::map<std::string, CommonValue, std::less<>> common;
+  Values common;
   std::string id;
   bool checksummed = true;
 };
@@ -121,26 +101,21 @@ enum class IoMethod : std::uint8_t { raw, hyperslab };
 // Told how many more bytes of tensor data were written or read (progress reports).
 using BytesDone = std::function<void(std::int64_t bytes)>;
 
-// A range of bytes of a file.
-struct ByteRange {
-  std::uint64_t offset = 0;
-  std::uint64_t length = 0;
-};
 
 // A created, unwritten checkpoint: its datasets (with extents, in key order), where the checksum
 // table starts in the file, and every range of raw data (tensors and the checksum table): all
 // other bytes are HDF5 metadata, which mark_complete seals.
 struct Skeleton {
-  std::vector<DatasetInfo> datasets;
+  std::vector<Dataset> datasets;
   std::uint64_t checksums_address = 0;
-  std::vector<ByteRange> data;
+  std::vector<Range> data;  // byte ranges [begin, end)
 };
 
 // Writes into the empty file `file` (a save's temporary file, io::TemporaryFile) every dataset
 // allocated at its full shape, unwritten, a checksum table of `checksum_rows` entries (none unless
 // contents.checksummed), and the metadata, but does not mark it complete. Every write error (a full
 // disk, a file-size limit, EIO) is an Error{Errc::io}; nothing of HDF5 stays open afterwards.
-Skeleton create_skeleton(io::File& file, std::span<const DatasetSpec> datasets, const CheckpointContents& contents,
+Skeleton create_skeleton(io::File& file, std::span<const Dataset> datasets, const CheckpointContents& contents,
                          std::int64_t checksum_rows);
 
 // Where a writer's checksums go: the table's address in the file and the writer's first unit.
@@ -163,9 +138,9 @@ class PieceWriter {
   ~PieceWriter();
 
   // Writes `src` (box.rows rows of box.cols elements) over `box` of the dataset.
-  void write(const DatasetInfo& dataset, const Box& box, TensorView src);
+  void write(const Dataset& dataset, const Box& box, TensorView src);
   // The same for the slab at `offset` with extent `count`; only dims 0 and 1 may be partial.
-  void write(const DatasetInfo& dataset, std::span<const std::int64_t> offset, std::span<const std::int64_t> count,
+  void write(const Dataset& dataset, std::span<const std::int64_t> offset, std::span<const std::int64_t> count,
              TensorView src);
   // Writes the checksums and flushes everything to stable storage, checking every step.
   void finish();
@@ -180,7 +155,7 @@ class PieceWriter {
 // past HDF5's end of the file, which a reader checks before HDF5 parses anything and again on every
 // read HDF5 makes, so that damaged or changed metadata is refused rather than trusted to HDF5's
 // parser. Flushes to disk. The caller then commits the file (io::TemporaryFile::commit).
-void mark_complete(io::File& file, std::span<const ByteRange> data);
+void mark_complete(io::File& file, std::span<const Range> data);
 
 struct ReadOptions {
   IoMethod method = IoMethod::raw;
@@ -233,19 +208,19 @@ class CheckpointReader {
   // dtype); a contradiction is Errc::not_a_checkpoint naming the record.
   const std::vector<ParamRecord>& params() const;
   // Every tensor dataset, in key order. Headers are read on first use.
-  const std::vector<DatasetInfo>& datasets() const;
+  const std::vector<Dataset>& datasets() const;
   // Objects at the root that are not tensors (groups, scalar datasets, unsupported element types)
   // with the reason they are skipped.
   const std::vector<std::pair<std::string, std::string>>& skipped() const;
   // Throws Errc::missing_key, or Errc::not_a_checkpoint for a skipped object.
-  const DatasetInfo& dataset(std::string_view key) const;
+  const Dataset& dataset(std::string_view key) const;
   // The slabs a dataset was saved in, checked to tile it exactly (empty in version 1).
-  std::vector<Slab> slabs(const DatasetInfo& dataset) const;
+  std::vector<Slab> slabs(const Dataset& dataset) const;
 
   // Reads `box` of the dataset into `dst` (box rows of box width, the dataset's dtype).
-  void read(const DatasetInfo& dataset, const Box& box, MutTensorView dst, ReadOptions options = {}) const;
+  void read(const Dataset& dataset, const Box& box, MutTensorView dst, ReadOptions options = {}) const;
   // The same for the slab at `offset` with extent `count`.
-  void read(const DatasetInfo& dataset, std::span<const std::int64_t> offset, std::span<const std::int64_t> count,
+  void read(const Dataset& dataset, std::span<const std::int64_t> offset, std::span<const std::int64_t> count,
             MutTensorView dst, ReadOptions options = {}) const;
 
  private:
@@ -277,7 +252,7 @@ struct AdoptReport {
   std::int64_t bytes = 0;
 };
 AdoptReport adopt(const std::filesystem::path& plain, const std::filesystem::path& out,
-                  const std::vector<ParamRecord>& records, const std::map<std::string, CommonValue, std::less<>>& common);
+                  const std::vector<ParamRecord>& records, const Values& common);
 // Parameter records as JSON text (the `params` attribute of docs/format.md), and back; throws
 // Errc::invalid_argument for text that does not hold valid records.
 std::string records_json(const std::vector<ParamRecord>& records);

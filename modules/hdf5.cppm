@@ -144,12 +144,10 @@ H5O_type_t object_type(hid_t parent, const char* name, const Where& w);
 
 // ---- attributes ---------------------------------------------------------------------------------------
 
-using AttrValue = std::variant<std::int64_t, double, std::string>;
-
 void write_attr(hid_t obj, const char* name, std::int64_t v, const Where& w);
 void write_attr(hid_t obj, const char* name, double v, const Where& w);
 void write_attr(hid_t obj, const char* name, std::string_view v, const Where& w);
-void write_attr(hid_t obj, const char* name, const AttrValue& v, const Where& w);
+void write_attr(hid_t obj, const char* name, const CommonValue& v, const Where& w);
 // A 2-D int64 attribute of `rows` rows of `cols` values (1-D when cols == 0).
 void write_attr(hid_t obj, const char* name, std::span<const std::int64_t> values, std::size_t cols, const Where& w);
 
@@ -159,7 +157,7 @@ bool has_attr(hid_t obj, const char* name, const Where& w);
 // variable length, any size), arrays of the rank asked for.
 std::int64_t read_int(hid_t obj, const char* name, const Where& w, Errc refusal);
 std::string read_string(hid_t obj, const char* name, const Where& w, Errc refusal);
-AttrValue read_value(hid_t obj, const char* name, const Where& w, Errc refusal);
+CommonValue read_value(hid_t obj, const char* name, const Where& w, Errc refusal);
 // An int64 array of `cols` columns (1-D when cols == 0); at most `max_values` values.
 std::vector<std::int64_t> read_ints(hid_t obj, const char* name, std::size_t cols, std::size_t max_values,
                                     const Where& w, Errc refusal);

@@ -120,13 +120,20 @@ struct Block {
 };
 std::vector<Block> blocks(const ParamSpec& spec);
 
-// The same parameter described by its blocks' global sizes (what a checkpoint records), planned
-// for another TP degree. Throws Errc::layout when a size does not divide by tp.
-ParamSpec param_at_tp(std::string key, std::span<const Section> global_sections,
-                      std::span<const std::int64_t> global_trailing, TpAxis axis, std::int64_t tp);
-// Inverse of param_at_tp: the blocks' global row counts and the global trailing dims.
-std::vector<Section> global_sections(const ParamSpec& spec);
-std::vector<std::int64_t> global_trailing(const ParamSpec& spec);
+// A fused (or plain) parameter as a checkpoint records it, whatever TP saved it: its blocks with their
+// global row counts, in row order, and the global trailing dims. Enough to plan it at any TP.
+struct ParamRecord {
+  std::string key;
+  TpAxis tp_axis = TpAxis::rows;
+  std::vector<Section> blocks;
+  std::vector<std::int64_t> trailing;
+  friend bool operator==(const ParamRecord&, const ParamRecord&) = default;
+};
+// A parameter's record, and the parameter a record describes planned at another TP degree. The one
+// conversion between the two: spec_at_tp throws Errc::layout when a size does not divide by tp (heads
+// or groups that TP does not divide) or the record has no block.
+ParamRecord record_of(const ParamSpec& spec);
+ParamSpec spec_at_tp(const ParamRecord& record, std::int64_t tp);
 
 // Where a rank sits in the parallel layout. Ranks, group sizes and row counts are all int64.
 struct ShardCoord {

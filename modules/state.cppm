@@ -92,10 +92,10 @@ class StateDict {
 
   const std::vector<ShardedTensor>& tensors() const noexcept [[clang::lifetimebound]] { return tensors_; }
   const std::vector<ShardedParam>& params() const noexcept [[clang::lifetimebound]] { return params_; }
-  const std::map<std::string, CommonValue, std::less<>>& common() const noexcept [[clang::lifetimebound]] {
+  const Values& common() const noexcept [[clang::lifetimebound]] {
     return common_;
   }
-  const std::map<std::string, CommonValue, std::less<>>& local() const noexcept [[clang::lifetimebound]] {
+  const Values& local() const noexcept [[clang::lifetimebound]] {
     return local_;
   }
 
@@ -103,8 +103,8 @@ class StateDict {
   void claim_key(const std::string& key);
   std::vector<ShardedTensor> tensors_;
   std::vector<ShardedParam> params_;
-  std::map<std::string, CommonValue, std::less<>> common_;
-  std::map<std::string, CommonValue, std::less<>> local_;
+  Values common_;
+  Values local_;
   std::map<std::string, int, std::less<>> keys_;
 };
 
@@ -124,7 +124,7 @@ struct SaveItem {
 struct SavePlan {
   std::vector<SaveItem> items;
   std::vector<ParamRecord> params;
-  std::map<std::string, CommonValue, std::less<>> common;
+  Values common;
 };
 
 // Expands factories into pieces (views of the shard's rows) and checks every shard's shape; throws
@@ -134,11 +134,10 @@ SavePlan prepare_save(const StateDict& state);
 std::vector<Claim> claims_of(const SavePlan& plan, int rank);
 // Writes this rank's items, in order, into a skeleton whose datasets are `datasets`. Items in device
 // memory go through `staging`: while one buffer's rows are written, the engine copies the next.
-void write_items(const SavePlan& plan, std::span<const DatasetInfo> datasets, PieceWriter& writer,
+void write_items(const SavePlan& plan, std::span<const Dataset> datasets, PieceWriter& writer,
                  const StagingPool* staging = nullptr);
 
-// Values of a load: the checkpoint's common values and the request's local values.
-using Values = std::map<std::string, CommonValue, std::less<>>;
+// A load returns Values (shardckpt.core): the checkpoint's common values and the request's local values.
 
 // A loaded state: tensors this rank owns now (host memory), and values.
 class LoadedState {

@@ -9,6 +9,11 @@ module shardckpt.core;
 
 namespace shardckpt {
 
+#ifndef SHARDCKPT_VERSION
+#error "the build defines SHARDCKPT_VERSION (meson.build's project version)"
+#endif
+std::string_view library_version() noexcept { return SHARDCKPT_VERSION; }
+
 std::string_view errc_name(Errc code) noexcept {
   switch (code) {
     case Errc::invalid_argument:

@@ -269,12 +269,12 @@ std::vector<ParamSpec> params(const ModelConfig& c, std::int64_t tp) {
 
 std::int64_t model_bytes(const ModelConfig& config, const Training& training) {
   // Adam keeps three f32 companions of every element.
-  const std::int64_t element_bytes =
-      static_cast<std::int64_t>(dtype_size(config.dtype)) + (training.adam ? 3 * std::int64_t{sizeof(float)} : 0);
+  const std::int64_t per_element =
+      element_bytes(config.dtype) + (training.adam ? 3 * std::int64_t{sizeof(float)} : 0);
   std::int64_t n = 0;
   for (const ParamSpec& spec : params(config, 1))
     for (const Block& b : blocks(spec))
-      n = checked_add(n, checked_mul(element_count(b.global_shape), element_bytes, "model bytes"), "model bytes");
+      n = checked_add(n, checked_mul(element_count(b.global_shape), per_element, "model bytes"), "model bytes");
   return n;
 }
 
@@ -366,14 +366,14 @@ Verification verify_tensors(const StateDict& filled, int rank, CopyEngine* engin
     const bool f32 = p.dtype == DType::f32;
     const Runs runs = for_each_run(p, [&](std::int64_t at, std::int64_t n, std::uint64_t seed) {
       if (!pattern) return;
-      const TensorView run = TensorView::borrow(shard.data() + at * static_cast<std::int64_t>(dtype_size(p.dtype)),
+      const TensorView run = TensorView::borrow(shard.data() + at * element_bytes(p.dtype),
                                                 p.dtype, {n});
       const std::int64_t bad = f32 ? first_difference<float>(run, seed) : first_difference<bf16>(run, seed);
       if (bad >= 0) mismatch(cat(p.spec.key, ": element ", at + bad, " of the shard differs from the pattern"));
       v.values += n;
     });
     // Pad elements of any dtype are zero bytes (a load zero-fills them).
-    const auto es = static_cast<std::int64_t>(dtype_size(p.dtype));
+    const auto es = element_bytes(p.dtype);
     const std::byte* pad = shard.data() + runs.pad_begin * es;
     if (std::any_of(pad, pad + (runs.pad_end - runs.pad_begin) * es, [](std::byte b) { return b != std::byte{0}; }))
       mismatch(cat(p.spec.key, ": a pad element is not zero"));
@@ -420,13 +420,13 @@ std::int64_t gather_save(const ModelConfig& config, const Layout& layout, const 
     std::vector<std::int64_t> offset, count;
   };
   std::vector<Write> writes;
-  std::vector<DatasetSpec> datasets;
+  std::vector<Dataset> datasets;
   std::vector<ParamRecord> records;
   for (std::size_t p = 0; p < specs.size(); ++p) {
     const ParamSpec& spec = specs[p];
     const std::vector<Block> bl = blocks(spec);
     for (std::size_t j = 0; j < bl.size(); ++j)
-      datasets.push_back({bl[j].key, config.dtype, bl[j].global_shape, std::nullopt, {}, {}});
+      datasets.push_back({bl[j].key, config.dtype, bl[j].global_shape});
     for (std::int64_t t = 0; t < (spec.tp_axis == TpAxis::replicated ? 1 : spec.tp); ++t)
       for (std::size_t j = 0; j < bl.size(); ++j) {
         Write w{p, datasets.size() - bl.size() + j, t, bl[j], std::vector<std::int64_t>(bl[j].global_shape.size(), 0),

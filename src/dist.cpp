@@ -259,7 +259,7 @@ ParamRecord get_record(Reader& r) {
   return p;
 }
 
-void put_common(Writer& w, const std::map<std::string, CommonValue, std::less<>>& common) {
+void put_common(Writer& w, const Values& common) {
   w.i64(static_cast<std::int64_t>(common.size()));
   for (const auto& [key, value] : common) {
     w.str(key);
@@ -270,8 +270,8 @@ void put_common(Writer& w, const std::map<std::string, CommonValue, std::less<>>
   }
 }
 
-std::map<std::string, CommonValue, std::less<>> get_common(Reader& r) {
-  std::map<std::string, CommonValue, std::less<>> out;
+Values get_common(Reader& r) {
+  Values out;
   for (std::int64_t n = r.i64(); n > 0; --n) {
     std::string key = r.str();
     switch (r.u8()) {
@@ -289,19 +289,19 @@ std::map<std::string, CommonValue, std::less<>> get_common(Reader& r) {
   return out;
 }
 
-void put_dataset(Writer& w, const DatasetInfo& d) {
+void put_dataset(Writer& w, const Dataset& d) {
   w.str(d.key);
   w.u8(static_cast<std::uint8_t>(d.dtype));
   w.dims(d.shape);
-  w.i64(static_cast<std::int64_t>(d.extents.size()));
-  for (const RawRegion& e : d.extents) {
+  w.i64(static_cast<std::int64_t>(d.regions.size()));
+  for (const RawRegion& e : d.regions) {
     for (std::int64_t v : {e.box.rows.begin, e.box.rows.end, e.box.cols.begin, e.box.cols.end}) w.i64(v);
     w.i64(static_cast<std::int64_t>(e.address));
   }
 }
 
-DatasetInfo get_dataset(Reader& r) {
-  DatasetInfo d;
+Dataset get_dataset(Reader& r) {
+  Dataset d;
   d.key = r.str();
   d.dtype = static_cast<DType>(r.u8());
   d.shape = r.dims();
@@ -312,7 +312,7 @@ DatasetInfo get_dataset(Reader& r) {
     e.box.cols.begin = r.i64();
     e.box.cols.end = r.i64();
     e.address = static_cast<std::uint64_t>(r.i64());
-    d.extents.push_back(e);
+    d.regions.push_back(e);
   }
   return d;
 }
@@ -335,7 +335,7 @@ constexpr std::int64_t claims_per_part = 16 * 1024;
 
 // What rank 0 decides in planning: the datasets to create, and where each rank's checksums start.
 struct Planned {
-  std::vector<DatasetSpec> specs;
+  std::vector<Dataset> specs;
   std::vector<std::int64_t> first_checksums;  // per rank
   std::int64_t checksum_rows = 0;
 };
@@ -382,11 +382,11 @@ Planned validate_in_parts(const std::vector<std::span<const std::byte>>& payload
       if (rank == 0) contents.common = std::move(common);
     }
     validate_claims(claims);
-    for (DatasetSpec& d : datasets_of(claims, firsts)) out.specs.push_back(std::move(d));
+    for (Dataset& d : datasets_of(claims, firsts)) out.specs.push_back(std::move(d));
   }
   for (auto& [key, rec] : records) contents.params.push_back(std::move(rec));
   std::sort(out.specs.begin(), out.specs.end(),
-            [](const DatasetSpec& a, const DatasetSpec& b) { return a.key < b.key; });
+            [](const Dataset& a, const Dataset& b) { return a.key < b.key; });
   return out;
 }
 
@@ -697,7 +697,7 @@ struct Destination {
   fs::path dir;
   std::string name;
   io::SharedIdentity identity;
-  std::vector<ByteRange> data;  // rank 0: the skeleton's raw data ranges, which the seal leaves out
+  std::vector<Range> data;  // rank 0: the skeleton's raw data byte ranges, which the seal leaves out
 
   io::File& file() { return temp ? temp->file() : *opened; }
 };
@@ -736,7 +736,7 @@ Bytes create_checkpoint(const std::vector<std::span<const std::byte>>& payloads,
   w.str(dest.temp->name());
   put_identity(w, dest.temp->identity());
   w.i64(static_cast<std::int64_t>(skeleton.datasets.size()));
-  for (const DatasetInfo& d : skeleton.datasets) put_dataset(w, d);
+  for (const Dataset& d : skeleton.datasets) put_dataset(w, d);
   w.i64(static_cast<std::int64_t>(skeleton.checksums_address));
   w.dims(options.checksums ? planned.first_checksums : std::vector<std::int64_t>{});
   return w.take();
@@ -745,7 +745,7 @@ Bytes create_checkpoint(const std::vector<std::span<const std::byte>>& payloads,
 // What every rank learns from the verdict: the datasets it writes, and its checksum slot (none
 // without checksums).
 struct Created {
-  std::vector<DatasetInfo> datasets;
+  std::vector<Dataset> datasets;
   std::optional<ChecksumSlot> slot;
 };
 
@@ -760,7 +760,7 @@ Created read_verdict(const Bytes& verdict, const SavePlan& plan, int me, int ran
     if (i.writes) mine.insert(i.key);
   Created out;
   for (std::int64_t n = r.i64(); n > 0; --n) {
-    DatasetInfo d = get_dataset(r);
+    Dataset d = get_dataset(r);
     if (mine.contains(d.key)) out.datasets.push_back(std::move(d));
   }
   const auto checksums_address = static_cast<std::uint64_t>(r.i64());

@@ -68,8 +68,6 @@ constexpr std::size_t max_slab_values = std::size_t{5} << 24;
 
 std::uint64_t row_hash(const void* bytes, std::size_t n) noexcept { return XXH3_64bits(bytes, n); }
 
-std::int64_t element_size(DType t) { return static_cast<std::int64_t>(dtype_size(t)); }
-
 std::string rows_text(const Box& box, const Box& whole) {
   return cat("rows [", box.rows.begin, ", ", box.rows.end, ")",
              box.cols == whole.cols ? std::string()
@@ -182,7 +180,7 @@ std::vector<RawRegion> raw_regions_of(hid_t set, hid_t type, const std::vector<s
   if (row_chunks > max_direct_chunks || col_chunks > max_direct_chunks / std::max<std::int64_t>(row_chunks, 1))
     return {};
   const std::int64_t chunk_bytes =
-      checked_mul(checked_mul(chunk_rows, chunk_cols, "chunk size", Errc::not_a_checkpoint), element_size(dtype),
+      checked_mul(checked_mul(chunk_rows, chunk_cols, "chunk size", Errc::not_a_checkpoint), element_bytes(dtype),
                   "chunk size", Errc::not_a_checkpoint);
   std::vector<RawRegion> out;
   std::vector<hsize_t> offset(rank, 0);
@@ -234,7 +232,7 @@ std::int64_t batch_rows(std::int64_t row_bytes, std::int64_t batch = batch_bytes
 }
 
 // Checks a box against a dataset and the caller's tensor.
-void check_box(const DatasetInfo& d, const Box& box, DType dtype, std::size_t bytes, const fs::path& file) {
+void check_box(const Dataset& d, const Box& box, DType dtype, std::size_t bytes, const fs::path& file) {
   require(dtype == d.dtype, Errc::dtype_mismatch, "key ", d.key, ": the dataset holds ", dtype_name(d.dtype),
           " but the tensor is ", dtype_name(dtype));
   const Box whole = whole_box(d.shape);
@@ -242,16 +240,16 @@ void check_box(const DatasetInfo& d, const Box& box, DType dtype, std::size_t by
               box.cols.end <= whole.cols.end && box.rows.begin <= box.rows.end && box.cols.begin <= box.cols.end,
           Errc::invalid_argument, "key ", d.key, " of ", file.string(), ": ", rows_text(box, whole),
           " are outside the dataset's ", dims_text(d.shape));
-  const auto n = static_cast<std::size_t>(checked_mul(box_elements(box), element_size(d.dtype), "slab bytes"));
+  const auto n = static_cast<std::size_t>(checked_mul(box_elements(box), element_bytes(d.dtype), "slab bytes"));
   require(n == bytes, Errc::shape_mismatch, "key ", d.key, ": a slab of ", n, " bytes does not match a tensor of ",
           bytes, " bytes");
 }
 
-Box box_of(const DatasetInfo& d, std::span<const std::int64_t> offset, std::span<const std::int64_t> count) {
+Box box_of(const Dataset& d, std::span<const std::int64_t> offset, std::span<const std::int64_t> count) {
   return footprint(d.key, d.shape, offset, count);
 }
 
-Hid create_dataset(hid_t file, const DatasetSpec& d, const Where& w) {
+Hid create_dataset(hid_t file, const Dataset& d, const Where& w) {
   Hid dcpl = owned(H5Pcreate(H5P_DATASET_CREATE), H5Pclose, w);
   if (d.external) {
     require(io::plain_name(d.external->file), Errc::invalid_argument, "dataset ", d.key, ": external file '",
@@ -285,6 +283,12 @@ Hid create_dataset(hid_t file, const DatasetSpec& d, const Where& w) {
 // changed in place under a reader is an error, never bytes HDF5 parses unchecked. Files sealed by
 // shardckpt 0.2 (one hash over all metadata, magic "SHCKSEAL") are checked once, at open.
 
+// A range of bytes as the trailer stores it.
+struct DiskRange {
+  std::uint64_t offset = 0;
+  std::uint64_t length = 0;
+};
+
 struct SealTail {  // "SHCKSEL2"
   std::uint64_t regions = 0;      // ByteRanges after the sealed bytes
   std::uint64_t pages = 0;        // PageHashes after the ranges
@@ -308,17 +312,18 @@ struct PageHash {
 constexpr std::uint64_t seal_magic = 0x324c45534b434853;      // "SHCKSEL2"
 constexpr std::uint64_t old_seal_magic = 0x4c4145534b434853;  // "SHCKSEAL"
 constexpr std::uint64_t seal_page = 4096;
-static_assert(sizeof(SealTail) == 48 && sizeof(OldSealTail) == 48 && sizeof(ByteRange) == 16 &&
+static_assert(sizeof(SealTail) == 48 && sizeof(OldSealTail) == 48 && sizeof(DiskRange) == 16 &&
               sizeof(PageHash) == 16);
 
 // The ranges of [0, size) that are not in `data`: what HDF5 wrote.
-std::vector<ByteRange> metadata_ranges(std::span<const ByteRange> data, std::uint64_t size) {
-  std::vector<ByteRange> sorted(data.begin(), data.end());
-  std::sort(sorted.begin(), sorted.end(), [](const ByteRange& a, const ByteRange& b) { return a.offset < b.offset; });
-  std::vector<ByteRange> out;
+std::vector<DiskRange> metadata_ranges(std::span<const Range> data, std::uint64_t size) {
+  std::vector<Range> sorted(data.begin(), data.end());
+  std::sort(sorted.begin(), sorted.end(), [](const Range& a, const Range& b) { return a.begin < b.begin; });
+  std::vector<DiskRange> out;
   std::uint64_t at = 0;
-  for (const ByteRange& d : sorted) {
-    const std::uint64_t begin = std::min(d.offset, size), end = std::min(d.offset + d.length, size);
+  for (const Range& d : sorted) {
+    const std::uint64_t begin = std::min(static_cast<std::uint64_t>(d.begin), size),
+                        end = std::min(static_cast<std::uint64_t>(d.end), size);
     if (begin > at) out.push_back({at, begin - at});
     at = std::max(at, end);
   }
@@ -326,11 +331,11 @@ std::vector<ByteRange> metadata_ranges(std::span<const ByteRange> data, std::uin
   return out;
 }
 
-std::uint64_t hash_ranges(const io::File& file, std::span<const ByteRange> ranges) {
+std::uint64_t hash_ranges(const io::File& file, std::span<const DiskRange> ranges) {
   XXH3_state_t state;
   XXH3_64bits_reset(&state);
   std::vector<std::byte> buffer(static_cast<std::size_t>(batch_bytes));
-  for (const ByteRange& r : ranges)
+  for (const DiskRange& r : ranges)
     for (std::uint64_t done = 0; done < r.length;) {
       const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(r.length - done, buffer.size()));
       file.pread_all(buffer.data(), n, r.offset + done);
@@ -341,7 +346,7 @@ std::uint64_t hash_ranges(const io::File& file, std::span<const ByteRange> range
 }
 
 // The page table of the metadata `regions` (sorted, disjoint) as the file holds them now.
-std::vector<PageHash> page_hashes(const io::File& file, std::span<const ByteRange> regions) {
+std::vector<PageHash> page_hashes(const io::File& file, std::span<const DiskRange> regions) {
   std::vector<PageHash> out;
   XXH3_state_t state;
   std::optional<std::uint64_t> page;
@@ -349,7 +354,7 @@ std::vector<PageHash> page_hashes(const io::File& file, std::span<const ByteRang
     if (page) out.push_back({*page, XXH3_64bits_digest(&state)});
   };
   std::vector<std::byte> buffer(static_cast<std::size_t>(batch_bytes));
-  for (const ByteRange& r : regions)
+  for (const DiskRange& r : regions)
     for (std::uint64_t done = 0; done < r.length;) {
       const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(r.length - done, buffer.size()));
       file.pread_all(buffer.data(), n, r.offset + done);
@@ -370,7 +375,7 @@ std::vector<PageHash> page_hashes(const io::File& file, std::span<const ByteRang
   return out;
 }
 
-std::uint64_t seal_digest(std::span<const ByteRange> regions, std::span<const PageHash> pages) {
+std::uint64_t seal_digest(std::span<const DiskRange> regions, std::span<const PageHash> pages) {
   XXH3_state_t state;
   XXH3_64bits_reset(&state);
   XXH3_64bits_update(&state, regions.data(), regions.size_bytes());
@@ -378,11 +383,11 @@ std::uint64_t seal_digest(std::span<const ByteRange> regions, std::span<const Pa
   return XXH3_64bits_digest(&state);
 }
 
-void write_seal(io::File& file, std::span<const ByteRange> data) {
+void write_seal(io::File& file, std::span<const Range> data) {
   const std::uint64_t size = file.size();
-  const std::vector<ByteRange> regions = metadata_ranges(data, size);
+  const std::vector<DiskRange> regions = metadata_ranges(data, size);
   const std::vector<PageHash> pages = page_hashes(file, regions);
-  const std::uint64_t list_bytes = regions.size() * sizeof(ByteRange), table_bytes = pages.size() * sizeof(PageHash);
+  const std::uint64_t list_bytes = regions.size() * sizeof(DiskRange), table_bytes = pages.size() * sizeof(PageHash);
   const SealTail tail{regions.size(),       pages.size(), size, seal_digest(regions, pages),
                       list_bytes + table_bytes + sizeof(SealTail), seal_magic};
   file.pwrite_all(regions.data(), list_bytes, size);
@@ -397,7 +402,7 @@ void write_seal(io::File& file, std::span<const ByteRange> data) {
 // which row checksums cover) pass unchecked.
 class SealedMetadata final : public hdf5::ReadCheck {
  public:
-  SealedMetadata(std::vector<ByteRange> regions, std::vector<PageHash> pages)
+  SealedMetadata(std::vector<DiskRange> regions, std::vector<PageHash> pages)
       : regions_(std::move(regions)), pages_(std::move(pages)) {}
 
   void read(const io::File& file, std::uint64_t address, void* dst, std::size_t n) const override {
@@ -435,7 +440,7 @@ class SealedMetadata final : public hdf5::ReadCheck {
     XXH3_state_t state;
     XXH3_64bits_reset(&state);
     auto r = std::upper_bound(regions_.begin(), regions_.end(), first,
-                              [](std::uint64_t at, const ByteRange& x) { return at < x.offset; });
+                              [](std::uint64_t at, const DiskRange& x) { return at < x.offset; });
     if (r != regions_.begin()) --r;
     for (; r != regions_.end() && r->offset < first + seal_page; ++r) {
       const std::uint64_t lo = std::max(r->offset, first), hi = std::min(r->offset + r->length, first + seal_page);
@@ -444,7 +449,7 @@ class SealedMetadata final : public hdf5::ReadCheck {
     return XXH3_64bits_digest(&state);
   }
 
-  std::vector<ByteRange> regions_;
+  std::vector<DiskRange> regions_;
   std::vector<PageHash> pages_;
 };
 
@@ -461,12 +466,12 @@ struct Seal {
   throw Error(Errc::corrupt, cat(file.path().string(), ": its metadata differs from what was saved (", why, ")"));
 }
 
-std::vector<ByteRange> checked_regions(const io::File& file, std::uint64_t count, std::uint64_t at,
+std::vector<DiskRange> checked_regions(const io::File& file, std::uint64_t count, std::uint64_t at,
                                        std::uint64_t sealed_size) {
-  std::vector<ByteRange> regions(static_cast<std::size_t>(count));
-  file.pread_all(regions.data(), regions.size() * sizeof(ByteRange), at);
+  std::vector<DiskRange> regions(static_cast<std::size_t>(count));
+  file.pread_all(regions.data(), regions.size() * sizeof(DiskRange), at);
   std::uint64_t end = 0;
-  for (const ByteRange& r : regions) {
+  for (const DiskRange& r : regions) {
     if (r.offset < end || r.offset > sealed_size || r.length > sealed_size - r.offset)
       damaged(file, "its seal lists ranges that overlap or leave the file");
     end = r.offset + r.length;
@@ -476,7 +481,7 @@ std::vector<ByteRange> checked_regions(const io::File& file, std::uint64_t count
 
 std::optional<Seal> check_old_seal(const io::File& file, const OldSealTail& tail, std::uint64_t size,
                                    std::optional<std::uint64_t> trusted) {
-  if (tail.regions > size / sizeof(ByteRange) || tail.trailer_bytes != tail.regions * sizeof(ByteRange) + sizeof tail ||
+  if (tail.regions > size / sizeof(DiskRange) || tail.trailer_bytes != tail.regions * sizeof(DiskRange) + sizeof tail ||
       tail.trailer_bytes > size || tail.sealed_size != size - tail.trailer_bytes)
     damaged(file, "its seal does not describe the file");
   if (trusted) {
@@ -484,9 +489,9 @@ std::optional<Seal> check_old_seal(const io::File& file, const OldSealTail& tail
       throw Error(Errc::replaced, cat(file.path().string(), " is not the checkpoint another rank opened"));
     return Seal{tail.metadata_hash, nullptr};
   }
-  std::vector<ByteRange> regions(static_cast<std::size_t>(tail.regions));
-  file.pread_all(regions.data(), regions.size() * sizeof(ByteRange), tail.sealed_size);
-  if (row_hash(regions.data(), regions.size() * sizeof(ByteRange)) != tail.regions_hash)
+  std::vector<DiskRange> regions(static_cast<std::size_t>(tail.regions));
+  file.pread_all(regions.data(), regions.size() * sizeof(DiskRange), tail.sealed_size);
+  if (row_hash(regions.data(), regions.size() * sizeof(DiskRange)) != tail.regions_hash)
     damaged(file, "its seal is damaged");
   (void)checked_regions(file, tail.regions, tail.sealed_size, tail.sealed_size);
   if (hash_ranges(file, regions) != tail.metadata_hash) damaged(file, "the seal does not match");
@@ -510,14 +515,14 @@ std::optional<Seal> check_seal(const io::File& file, std::optional<std::uint64_t
       throw Error(Errc::replaced, cat(file.path().string(), " is not the sealed checkpoint another rank opened"));
     return std::nullopt;
   }
-  const std::uint64_t most = size / sizeof(ByteRange);
+  const std::uint64_t most = size / sizeof(DiskRange);
   if (tail.regions > most || tail.pages > most ||
-      tail.trailer_bytes != (tail.regions + tail.pages) * sizeof(ByteRange) + sizeof tail ||
+      tail.trailer_bytes != (tail.regions + tail.pages) * sizeof(DiskRange) + sizeof tail ||
       tail.trailer_bytes > size || tail.sealed_size != size - tail.trailer_bytes)
     damaged(file, "its seal does not describe the file");
-  std::vector<ByteRange> regions = checked_regions(file, tail.regions, tail.sealed_size, tail.sealed_size);
+  std::vector<DiskRange> regions = checked_regions(file, tail.regions, tail.sealed_size, tail.sealed_size);
   std::vector<PageHash> pages(static_cast<std::size_t>(tail.pages));
-  file.pread_all(pages.data(), pages.size() * sizeof(PageHash), tail.sealed_size + regions.size() * sizeof(ByteRange));
+  file.pread_all(pages.data(), pages.size() * sizeof(PageHash), tail.sealed_size + regions.size() * sizeof(DiskRange));
   const std::uint64_t digest = seal_digest(regions, pages);
   if (digest != tail.digest) damaged(file, "its seal is damaged");
   if (trusted && *trusted != digest)
@@ -540,26 +545,17 @@ std::optional<Seal> check_seal(const io::File& file, std::optional<std::uint64_t
 
 // ---- records, slabs and the chunking policy ------------------------------------------------------------
 
-ParamRecord record_of(const ParamSpec& spec) {
-  return {spec.key, spec.tp_axis, global_sections(spec), global_trailing(spec)};
-}
-
-ParamSpec spec_at_tp(const ParamRecord& r, std::int64_t tp) {
-  require(!r.blocks.empty(), Errc::layout, r.key, ": a parameter needs at least one block");
-  return param_at_tp(r.key, r.blocks, r.trailing, r.tp_axis, tp);
-}
-
 std::int64_t checksum_rows_of(const Box& box) { return box.empty() ? 0 : box.rows.size(); }
 
-std::vector<DatasetSpec> datasets_of(std::span<const Claim> claims, std::span<const std::int64_t> first_checksums) {
+std::vector<Dataset> datasets_of(std::span<const Claim> claims, std::span<const std::int64_t> first_checksums) {
   require(first_checksums.size() == claims.size(), Errc::internal, "one first unit per claim");
   std::map<std::string_view, std::vector<std::size_t>> by_key;
   for (std::size_t i = 0; i < claims.size(); ++i) by_key[claims[i].key].push_back(i);
-  std::vector<DatasetSpec> out;
+  std::vector<Dataset> out;
   out.reserve(by_key.size());
   for (const auto& [key, list] : by_key) {
     const Claim& c0 = claims[list.front()];
-    DatasetSpec spec{c0.key, c0.dtype, c0.global_shape, std::nullopt, {}, {}};
+    Dataset spec{c0.key, c0.dtype, c0.global_shape};
     // Band chunking: the widest box is one band of the row, and every box lies inside one band.
     const std::vector<std::int64_t>& shape = c0.global_shape;
     const Box whole = whole_box(shape);
@@ -579,7 +575,7 @@ std::vector<DatasetSpec> datasets_of(std::span<const Claim> claims, std::span<co
     if (banded) {
       spec.chunk = shape;
       spec.chunk[1] = width / inner;
-      const std::int64_t row_bytes = checked_mul(element_size(c0.dtype), width, "chunk row bytes");
+      const std::int64_t row_bytes = checked_mul(element_bytes(c0.dtype), width, "chunk row bytes");
       spec.chunk[0] = std::clamp<std::int64_t>(max_chunk_bytes / row_bytes, 1, shape[0]);
       // The direct path must find every chunk (see max_direct_chunks); past that, contiguous.
       const std::int64_t chunks = (shape[0] + spec.chunk[0] - 1) / spec.chunk[0] * (whole.cols.end / width);
@@ -596,7 +592,7 @@ std::vector<DatasetSpec> datasets_of(std::span<const Claim> claims, std::span<co
 
 // ---- the writer side ----------------------------------------------------------------------------------
 
-Skeleton create_skeleton(io::File& f, std::span<const DatasetSpec> datasets, const CheckpointContents& contents,
+Skeleton create_skeleton(io::File& f, std::span<const Dataset> datasets, const CheckpointContents& contents,
                          std::int64_t checksum_rows) {
   require(checksum_rows >= 0 && (contents.checksummed || checksum_rows == 0), Errc::internal, "a checksum count of ", checksum_rows);
   const fs::path& partial = f.path();
@@ -621,19 +617,20 @@ Skeleton create_skeleton(io::File& f, std::span<const DatasetSpec> datasets, con
     }
     common.close(w);
     if (contents.checksummed) {
-      const DatasetSpec table{checksums_set, DType::u64, {checksum_rows}, std::nullopt, {}, {}};
+      const Dataset table{checksums_set, DType::u64, {checksum_rows}};
       Hid set = create_dataset(file.get(), table, w);
       if (checksum_rows > 0) {
         const haddr_t addr = H5Dget_offset(set.get());
         require(addr != HADDR_UNDEF, Errc::hdf5, "HDF5 did not allocate the checksum table of ", partial.string());
         out.checksums_address = addr;
-        out.data.push_back({addr, static_cast<std::uint64_t>(checksum_rows) * sizeof(std::uint64_t)});
+        const auto begin = static_cast<std::int64_t>(addr);
+        out.data.push_back({begin, begin + checksum_rows * static_cast<std::int64_t>(sizeof(std::uint64_t))});
       }
       set.close(w);
     }
     Hid slabs = contents.checksummed ? hdf5::create_group(file.get(), slabs_group, w) : Hid();
     out.datasets.reserve(datasets.size());
-    for (const DatasetSpec& d : datasets) {
+    for (const Dataset& d : datasets) {
       require_key(d.key);
       const Where dw{partial, d.key, "create the dataset"};
       Hid set = create_dataset(file.get(), d, dw);
@@ -652,10 +649,13 @@ Skeleton create_skeleton(io::File& f, std::span<const DatasetSpec> datasets, con
         hdf5::write_attr(slabs.get(), d.key.c_str(), std::span<const std::int64_t>(table), 5, dw);
       }
       Hid type = hdf5::type_of(d.dtype);
-      out.datasets.push_back({d.key, d.dtype, d.shape, raw_regions_of(set.get(), type.get(), d.shape, d.dtype, dw),
-                              d.placement});
-      for (const RawRegion& e : out.datasets.back().extents)
-        out.data.push_back({e.address, static_cast<std::uint64_t>(box_elements(e.box)) * dtype_size(d.dtype)});
+      Dataset made{d.key, d.dtype, d.shape, d.placement};
+      made.regions = raw_regions_of(set.get(), type.get(), d.shape, d.dtype, dw);
+      out.datasets.push_back(std::move(made));
+      for (const RawRegion& e : out.datasets.back().regions) {
+        const auto begin = static_cast<std::int64_t>(e.address);
+        out.data.push_back({begin, begin + box_elements(e.box) * element_bytes(d.dtype)});
+      }
       set.close(dw);
     }
     if (slabs) slabs.close(w);
@@ -729,12 +729,12 @@ void PieceWriter::Impl::flush_hashes() {
   hashes.clear();
 }
 
-void PieceWriter::write(const DatasetInfo& d, const Box& box, TensorView src) {
+void PieceWriter::write(const Dataset& d, const Box& box, TensorView src) {
   Impl& m = *impl_;
   check_box(d, box, src.dtype(), src.bytes(), m.path);
   if (box.empty()) return;
-  const std::int64_t es = element_size(d.dtype), row_bytes = box.cols.size() * es;
-  require(m.method == IoMethod::hyperslab || !d.extents.empty(), Errc::invalid_argument, "key ", d.key,
+  const std::int64_t es = element_bytes(d.dtype), row_bytes = box.cols.size() * es;
+  require(m.method == IoMethod::hyperslab || !d.regions.empty(), Errc::invalid_argument, "key ", d.key,
           ": the direct path needs a dataset whose raw data it can address");
   const Where w{m.path, d.key, "write a piece"};
   const auto* bytes = static_cast<const std::byte*>(static_cast<const void*>(src.data()));
@@ -749,7 +749,7 @@ void PieceWriter::write(const DatasetInfo& d, const Box& box, TensorView src) {
         if (m.hashes.size() == Impl::hash_batch) m.flush_hashes();
       }
     if (m.method == IoMethod::raw)
-      transfer(m.file.path(), d.extents, es, batch, p, row_bytes,
+      transfer(m.file.path(), d.regions, es, batch, p, row_bytes,
                [&](const std::byte* q, std::size_t run, std::size_t rows, std::uint64_t at, std::int64_t file_stride) {
                  if (static_cast<std::int64_t>(run) == file_stride && file_stride == row_bytes)
                    return m.file.pwrite_all(q, run * rows, at);
@@ -762,7 +762,7 @@ void PieceWriter::write(const DatasetInfo& d, const Box& box, TensorView src) {
   }
 }
 
-void PieceWriter::write(const DatasetInfo& d, std::span<const std::int64_t> offset,
+void PieceWriter::write(const Dataset& d, std::span<const std::int64_t> offset,
                         std::span<const std::int64_t> count, TensorView src) {
   write(d, box_of(d, offset, count), src);
 }
@@ -778,7 +778,7 @@ void PieceWriter::finish() {
   m.file.sync();
 }
 
-void mark_complete(io::File& f, std::span<const ByteRange> data) {
+void mark_complete(io::File& f, std::span<const Range> data) {
   const Where w{f.path(), "", "mark the checkpoint complete"};
   hdf5::Channel channel(f);
   {
@@ -805,7 +805,7 @@ void check_records(const std::vector<ParamRecord>& records, Find&& find, Bad&& b
     for (const Section& b : r.blocks) {
       const std::string key = block_key(r.key, b.name);
       if (!covered.insert(key).second) bad(r, cat("names dataset ", key, ", which another record names too"));
-      const DatasetInfo* d = nullptr;
+      const Dataset* d = nullptr;
       try {
         d = &find(key);
       } catch (const Error& e) {
@@ -873,11 +873,11 @@ struct CheckpointReader::Impl {
     std::optional<io::BulkReader> bulk;
   };
   struct Entry {
-    std::optional<DatasetInfo> info;
+    std::optional<Dataset> info;
     std::string skipped;                  // why it is not a tensor
     std::optional<std::string> external;  // the file beside the checkpoint that holds its bytes
     std::uint64_t external_offset = 0;
-    std::optional<std::vector<RawRegion>> extents;
+    std::optional<std::vector<RawRegion>> regions;
     std::optional<std::vector<Slab>> slabs;  // sorted by first row
     std::vector<std::int64_t> slab_reach;    // running maximum of the slabs' end rows
   };
@@ -902,7 +902,7 @@ struct CheckpointReader::Impl {
   mutable std::mutex mutex;                         // guards everything below
   std::map<std::string, Entry, std::less<>> index;  // the datasets looked at so far
   std::map<std::string, External, std::less<>> externals;
-  std::optional<std::vector<DatasetInfo>> all;
+  std::optional<std::vector<Dataset>> all;
   std::optional<std::vector<std::pair<std::string, std::string>>> skipped;
   std::optional<std::vector<ParamRecord>> checked_params;
 
@@ -913,15 +913,15 @@ struct CheckpointReader::Impl {
   Hid group(hid_t parent, const char* name, std::string_view shown, const Where& w) const;
   Entry& entry(std::string_view key);
   void read_header(const std::string& name, Entry& e) const;
-  const DatasetInfo& info(std::string_view key);
+  const Dataset& info(std::string_view key);
   void read_storage(hid_t set, const std::string& name, Entry& e, const Where& w) const;
   External& external(const std::string& name);
   const std::vector<RawRegion>& regions_for(Entry& e);
   const std::vector<Slab>& slabs_for(Entry& e);
   void read_checksums(std::int64_t first, std::int64_t n, std::uint64_t* out) const;
-  void raw_read(const DatasetInfo& d, Entry& e, const Box& box, std::byte* mem, std::int64_t mem_row_elems,
+  void raw_read(const Dataset& d, Entry& e, const Box& box, std::byte* mem, std::int64_t mem_row_elems,
                 std::int64_t mem_col, const ReadOptions& options);
-  void read_checked(const DatasetInfo& d, Entry& e, const Slab& s, const Box& sub, const Box& box, std::byte* out,
+  void read_checked(const Dataset& d, Entry& e, const Slab& s, const Box& sub, const Box& box, std::byte* out,
                     const ReadOptions& options);
   void read_metadata();
   void read_checksum_table(hid_t meta, const Where& w);
@@ -1090,7 +1090,7 @@ void CheckpointReader::Impl::read_header(const std::string& name, Entry& e) cons
     e.skipped = "a scalar dataset (tensors have at least one dimension)";
     return;
   }
-  DatasetInfo info{name, *dtype, std::move(shape), {}, std::nullopt};
+  Dataset info{name, *dtype, std::move(shape)};
   read_storage(set.get(), name, e, dw);
   if (hdf5::has_attr(set.get(), "global_shape", dw)) {
     // A local file's piece: its box in the global dataset (earlier files kept an N-D offset instead).
@@ -1156,15 +1156,15 @@ CheckpointReader::Impl::External& CheckpointReader::Impl::external(const std::st
   return out;
 }
 
-const DatasetInfo& CheckpointReader::Impl::info(std::string_view key) {
+const Dataset& CheckpointReader::Impl::info(std::string_view key) {
   Entry& e = entry(key);
   if (!e.info) refuse(cat("the object ", key, " is ", e.skipped, ", not a tensor"));
   return *e.info;
 }
 
 const std::vector<RawRegion>& CheckpointReader::Impl::regions_for(Entry& e) {
-  if (e.extents) return *e.extents;
-  const DatasetInfo& d = *e.info;
+  if (e.regions) return *e.regions;
+  const Dataset& d = *e.info;
   std::vector<RawRegion> extents;
   std::uint64_t size = file_size;
   std::string_view where = "the file";
@@ -1184,12 +1184,12 @@ const std::vector<RawRegion>& CheckpointReader::Impl::regions_for(Entry& e) {
       refuse(cat("dataset ", d.key, " ends at byte ", x.address + bytes, " but ", where, " has ", size,
                  " (truncated)"));
   }
-  return *(e.extents = std::move(extents));
+  return *(e.regions = std::move(extents));
 }
 
 const std::vector<Slab>& CheckpointReader::Impl::slabs_for(Entry& e) {
   if (e.slabs) return *e.slabs;
-  const DatasetInfo& d = *e.info;
+  const Dataset& d = *e.info;
   const Box whole = whole_box(d.shape);
   std::vector<Slab> slabs;
   if (checksummed && !whole.empty()) {
@@ -1236,9 +1236,9 @@ void CheckpointReader::Impl::read_checksums(std::int64_t first, std::int64_t n, 
                  1, 0, {path, checksums_set, "read checksums"});
 }
 
-void CheckpointReader::Impl::raw_read(const DatasetInfo& d, Entry& e, const Box& box, std::byte* mem,
+void CheckpointReader::Impl::raw_read(const Dataset& d, Entry& e, const Box& box, std::byte* mem,
                                       std::int64_t mem_row_elems, std::int64_t mem_col, const ReadOptions& options) {
-  const std::int64_t es = element_size(d.dtype);
+  const std::int64_t es = element_bytes(d.dtype);
   // Bytes in an external file are always read here: HDF5 would open the file by name.
   if (options.method == IoMethod::raw || e.external) {
     const io::File* from = &file;
@@ -1312,7 +1312,7 @@ const std::vector<ParamRecord>& CheckpointReader::params() const {
   }
   check_records(
       m.contents.params,
-      [&](const std::string& key) -> const DatasetInfo& {
+      [&](const std::string& key) -> const Dataset& {
         const std::lock_guard lock(m.mutex);
         return m.info(key);
       },
@@ -1324,11 +1324,11 @@ const std::vector<ParamRecord>& CheckpointReader::params() const {
   return *m.checked_params;
 }
 
-const std::vector<DatasetInfo>& CheckpointReader::datasets() const {
+const std::vector<Dataset>& CheckpointReader::datasets() const {
   Impl& m = *impl_;
   const std::lock_guard lock(m.mutex);
   if (!m.all) {
-    std::vector<DatasetInfo> all;
+    std::vector<Dataset> all;
     std::vector<std::pair<std::string, std::string>> skipped;
     for (const std::string& name : hdf5::link_names(m.h5.get(), {m.path, "", "list the datasets"})) {
       if (name == meta_group) continue;
@@ -1349,13 +1349,13 @@ const std::vector<std::pair<std::string, std::string>>& CheckpointReader::skippe
   return *impl_->skipped;
 }
 
-const DatasetInfo& CheckpointReader::dataset(std::string_view key) const {
+const Dataset& CheckpointReader::dataset(std::string_view key) const {
   Impl& m = *impl_;
   const std::lock_guard lock(m.mutex);
   return m.info(key);
 }
 
-std::vector<Slab> CheckpointReader::slabs(const DatasetInfo& d) const {
+std::vector<Slab> CheckpointReader::slabs(const Dataset& d) const {
   Impl& m = *impl_;
   const std::lock_guard lock(m.mutex);
   Impl::Entry& e = m.entry(d.key);
@@ -1367,9 +1367,9 @@ std::vector<Slab> CheckpointReader::slabs(const DatasetInfo& d) const {
 // every row read against its checksum in batches. Whole rows (the slab's rows lie inside the box's
 // columns) are read in place; rows that reach past the box are read whole into scratch memory,
 // checked, and the asked-for part copied.
-void CheckpointReader::Impl::read_checked(const DatasetInfo& d, Entry& e, const Slab& s, const Box& sub,
+void CheckpointReader::Impl::read_checked(const Dataset& d, Entry& e, const Slab& s, const Box& sub,
                                           const Box& box, std::byte* out, const ReadOptions& options) {
-  const std::int64_t es = element_size(d.dtype), width = box.cols.size();
+  const std::int64_t es = element_bytes(d.dtype), width = box.cols.size();
   const auto mismatch = [&](std::int64_t row) {
     throw Error(Errc::corrupt, cat(path.string(), ": key ", d.key, ", ",
                                    rows_text({{row, row + 1}, s.box.cols}, whole_box(d.shape)),
@@ -1406,12 +1406,12 @@ void CheckpointReader::Impl::read_checked(const DatasetInfo& d, Entry& e, const 
   }
 }
 
-void CheckpointReader::read(const DatasetInfo& d, const Box& box, MutTensorView dst, ReadOptions options) const {
+void CheckpointReader::read(const Dataset& d, const Box& box, MutTensorView dst, ReadOptions options) const {
   Impl& m = *impl_;
   check_box(d, box, dst.dtype(), dst.bytes(), m.path);
   if (box.empty()) return;
   auto* out = static_cast<std::byte*>(static_cast<void*>(dst.data()));
-  const std::int64_t es = element_size(d.dtype), width = box.cols.size();
+  const std::int64_t es = element_bytes(d.dtype), width = box.cols.size();
   Impl::Entry* e = nullptr;
   const std::vector<Slab>* slabs = nullptr;
   {
@@ -1439,7 +1439,7 @@ void CheckpointReader::read(const DatasetInfo& d, const Box& box, MutTensorView 
           " does not cover ", rows_text(box, whole_box(d.shape)));
 }
 
-void CheckpointReader::read(const DatasetInfo& d, std::span<const std::int64_t> offset,
+void CheckpointReader::read(const Dataset& d, std::span<const std::int64_t> offset,
                             std::span<const std::int64_t> count, MutTensorView dst, ReadOptions options) const {
   read(d, box_of(d, offset, count), dst, options);
 }
@@ -1505,7 +1505,7 @@ std::vector<std::uint64_t> row_hashes(const io::File& f, const std::vector<Plain
   std::vector<std::uint64_t> out;
   std::vector<std::byte> batch;
   for (const PlainDataset& d : sets) {
-    const std::int64_t row = element_count(std::span(d.shape).subspan(1)) * element_size(d.dtype);
+    const std::int64_t row = element_count(std::span(d.shape).subspan(1)) * element_bytes(d.dtype);
     const std::int64_t step = batch_rows(row);
     for (std::int64_t r0 = 0; r0 < d.shape[0]; r0 += step) {
       const std::int64_t n = std::min(step, d.shape[0] - r0);
@@ -1519,11 +1519,11 @@ std::vector<std::uint64_t> row_hashes(const io::File& f, const std::vector<Plain
 
 // The records must describe the plain file's datasets (keys, shapes, one dtype per parameter).
 void check_adopted_records(const std::vector<ParamRecord>& records, const std::vector<PlainDataset>& sets) {
-  std::map<std::string, DatasetInfo, std::less<>> by_key;
-  for (const PlainDataset& d : sets) by_key.emplace(d.key, DatasetInfo{d.key, d.dtype, d.shape, {}, std::nullopt});
+  std::map<std::string, Dataset, std::less<>> by_key;
+  for (const PlainDataset& d : sets) by_key.emplace(d.key, Dataset{d.key, d.dtype, d.shape});
   check_records(
       records,
-      [&](const std::string& key) -> const DatasetInfo& {
+      [&](const std::string& key) -> const Dataset& {
         const auto it = by_key.find(key);
         require(it != by_key.end(), Errc::missing_key, "the file has no dataset ", key);
         return it->second;
@@ -1537,7 +1537,7 @@ void check_adopted_records(const std::vector<ParamRecord>& records, const std::v
 }  // namespace
 
 AdoptReport adopt(const fs::path& plain, const fs::path& out, const std::vector<ParamRecord>& records,
-                  const std::map<std::string, CommonValue, std::less<>>& common) {
+                  const Values& common) {
   try {
     io::Destination dest = io::Destination::of(out);
     const fs::path source = io::follow_links(plain);
@@ -1551,7 +1551,7 @@ AdoptReport adopt(const fs::path& plain, const fs::path& out, const std::vector<
             plain.string(), " itself: the checkpoint would replace the file whose bytes it points at");
     const std::vector<PlainDataset> sets = plain_datasets(f);
     check_adopted_records(records, sets);
-    std::vector<DatasetSpec> specs;
+    std::vector<Dataset> specs;
     AdoptReport report;
     std::int64_t checksum_rows = 0;
     for (const PlainDataset& d : sets) {
@@ -1559,7 +1559,7 @@ AdoptReport adopt(const fs::path& plain, const fs::path& out, const std::vector<
       specs.push_back({d.key, d.dtype, d.shape, std::nullopt, {}, {}, ExternalData{source.filename().string(), d.address}});
       if (!whole.empty()) specs.back().slabs.push_back({whole, checksum_rows});
       checksum_rows += checksum_rows_of(whole);
-      report.bytes += element_count(d.shape) * element_size(d.dtype);
+      report.bytes += element_count(d.shape) * element_bytes(d.dtype);
     }
     const std::vector<std::uint64_t> hashes = row_hashes(f, sets);
     io::TemporaryFile temp = io::TemporaryFile::create(std::move(dest));
@@ -1583,15 +1583,15 @@ VerifyReport verify_checkpoint(const CheckpointReader& reader,
   report.checksummed = reader.checksummed();
   (void)reader.params();
   std::int64_t total = 0, done = 0;
-  for (const DatasetInfo& d : reader.datasets())
-    total = checked_add(total, checked_mul(element_count(d.shape), element_size(d.dtype), "dataset bytes"),
+  for (const Dataset& d : reader.datasets())
+    total = checked_add(total, checked_mul(element_count(d.shape), element_bytes(d.dtype), "dataset bytes"),
                         "checkpoint bytes");
   report.datasets = static_cast<std::int64_t>(reader.datasets().size());
   report.bytes = total;
   if (!report.checksummed) return report;
   std::vector<std::byte> buffer;
-  for (const DatasetInfo& d : reader.datasets()) {
-    const std::int64_t es = element_size(d.dtype);
+  for (const Dataset& d : reader.datasets()) {
+    const std::int64_t es = element_bytes(d.dtype);
     for (const Slab& s : reader.slabs(d)) {
       const std::int64_t row_bytes = s.box.cols.size() * es, step = batch_rows(row_bytes);
       for (std::int64_t r0 = s.box.rows.begin; r0 < s.box.rows.end; r0 += step) {

@@ -587,7 +587,7 @@ void write_attr(hid_t obj, const char* name, std::string_view v, const Where& w)
   write_raw_attr(obj, name, type.get(), type.get(), padded.data(), {}, w);
 }
 
-void write_attr(hid_t obj, const char* name, const AttrValue& v, const Where& w) {
+void write_attr(hid_t obj, const char* name, const CommonValue& v, const Where& w) {
   std::visit(
       [&](const auto& x) {
         if constexpr (std::is_same_v<std::decay_t<decltype(x)>, std::string>)
@@ -616,7 +616,7 @@ std::string read_string(hid_t obj, const char* name, const Where& w, Errc refusa
   return string_of(open_attr(obj, name, w, refusal), w, name, refusal);
 }
 
-AttrValue read_value(hid_t obj, const char* name, const Where& w, Errc refusal) {
+CommonValue read_value(hid_t obj, const char* name, const Where& w, Errc refusal) {
   const OpenAttr a = open_attr(obj, name, w, refusal);
   switch (a.cls) {
     case H5T_INTEGER:

@@ -170,32 +170,29 @@ std::vector<Block> blocks(const ParamSpec& spec) {
   return out;
 }
 
-ParamSpec param_at_tp(std::string key, std::span<const Section> global, std::span<const std::int64_t> trailing,
-                      TpAxis axis, std::int64_t tp) {
-  ParamSpec spec{std::move(key), {}, {trailing.begin(), trailing.end()}, axis, tp};
+ParamRecord record_of(const ParamSpec& spec) {
+  ParamRecord out{spec.key, spec.tp_axis, spec.sections, spec.trailing};
+  if (spec.tp_axis == TpAxis::rows)
+    for (Section& s : out.blocks) s.rows = checked_mul(s.rows, spec.tp, cat(spec.key, ": global rows"), Errc::layout);
+  if (spec.tp_axis == TpAxis::cols)
+    out.trailing[0] = checked_mul(out.trailing[0], spec.tp, cat(spec.key, ": global dim 1"), Errc::layout);
+  return out;
+}
+
+ParamSpec spec_at_tp(const ParamRecord& record, std::int64_t tp) {
+  require(!record.blocks.empty(), Errc::layout, record.key, ": a parameter needs at least one block");
+  ParamSpec spec{record.key, {}, record.trailing, record.tp_axis, tp};
   require(tp >= 1, Errc::layout, spec.key, ": TP must be at least 1 (got ", tp, ")");
-  for (const Section& s : global)
-    spec.sections.push_back(
-        {s.name, axis == TpAxis::rows ? per_tp(s.rows, tp, cat(spec.key, " block '", s.name, "' rows")) : s.rows});
-  if (axis == TpAxis::cols) {
+  for (const Section& s : record.blocks)
+    spec.sections.push_back({s.name, record.tp_axis == TpAxis::rows
+                                         ? per_tp(s.rows, tp, cat(spec.key, " block '", s.name, "' rows"))
+                                         : s.rows});
+  if (record.tp_axis == TpAxis::cols) {
     require(!spec.trailing.empty(), Errc::layout, spec.key, ": a weight split along dim 1 needs dim 1");
     spec.trailing[0] = per_tp(spec.trailing[0], tp, cat(spec.key, " dim 1"));
   }
   validate(spec);
   return spec;
-}
-
-std::vector<Section> global_sections(const ParamSpec& spec) {
-  std::vector<Section> out = spec.sections;
-  if (spec.tp_axis == TpAxis::rows)
-    for (Section& s : out) s.rows = checked_mul(s.rows, spec.tp, cat(spec.key, ": global rows"), Errc::layout);
-  return out;
-}
-
-std::vector<std::int64_t> global_trailing(const ParamSpec& spec) {
-  std::vector<std::int64_t> out = spec.trailing;
-  if (spec.tp_axis == TpAxis::cols) out[0] = checked_mul(out[0], spec.tp, cat(spec.key, ": global dim 1"), Errc::layout);
-  return out;
 }
 
 RankPlan plan_rank(const ParamSpec& spec, std::int64_t gtp, std::int64_t align, ShardCoord coord) {

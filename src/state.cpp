@@ -26,18 +26,16 @@ std::string where(const ShardedParam& p) {
   return cat("parameter ", p.spec.key, " (TP rank ", p.coord.tp_rank, ", GTP rank ", p.coord.gtp_rank, ")");
 }
 
-std::int64_t element_size(DType t) { return static_cast<std::int64_t>(dtype_size(t)); }
-
 // Elements [offset, offset + rows * cols) of a 1-D view, seen as `rows` rows of `cols`.
 template <bool Mutable>
 BasicView<Mutable> reshaped(BasicView<Mutable> flat, std::int64_t offset, std::int64_t rows, std::int64_t cols) {
   require(offset >= 0 && rows * cols <= flat.shape().elements() - offset, Errc::internal, "a flat part past its range");
-  return BasicView<Mutable>::borrow(flat.data() + offset * element_size(flat.dtype()), flat.dtype(), {rows, cols},
+  return BasicView<Mutable>::borrow(flat.data() + offset * element_bytes(flat.dtype()), flat.dtype(), {rows, cols},
                                     flat.space());
 }
 
 // Checks that the checkpoint's dataset can serve a slab of `dtype` at `global_shape`.
-void check_dataset(const DatasetInfo& d, DType dtype, std::span<const std::int64_t> global_shape,
+void check_dataset(const Dataset& d, DType dtype, std::span<const std::int64_t> global_shape,
                    std::string_view who) {
   require(d.dtype == dtype, Errc::dtype_mismatch, "key ", d.key, ": the checkpoint holds ", dtype_name(d.dtype),
           " but ", who, " asks for ", dtype_name(dtype));
@@ -123,7 +121,7 @@ class Source {
         read_{options.method, options.verify_checksums, options.progress, options.bypass_page_cache} {
     if (options.staging) arena_.emplace(*options.staging);
     if (local)
-      for (const DatasetInfo& d : reader.datasets())
+      for (const Dataset& d : reader.datasets())
         if (d.placement) by_box_.emplace(place(d.placement->key, d.placement->box), &d);
   }
   Source(const Source&) = delete;
@@ -140,7 +138,7 @@ class Source {
   void read(const std::string& key, DType dtype, std::span<const std::int64_t> global_shape, const Box& box,
             MutTensorView dst, std::string_view who) {
     if (box.empty()) return;
-    const DatasetInfo* d = nullptr;
+    const Dataset* d = nullptr;
     Box from = box;
     if (!local_) {
       d = &reader_.dataset(key);
@@ -199,7 +197,7 @@ class Source {
   bool local_;
   ReadOptions read_;
   std::optional<Arena> arena_;
-  std::map<std::string, const DatasetInfo*, std::less<>> by_box_;  // local pieces by key and box
+  std::map<std::string, const Dataset*, std::less<>> by_box_;  // local pieces by key and box
 };
 
 // A tree of a load before the factory merges: each key's loaded shard (its destination, filled),
@@ -455,14 +453,14 @@ std::vector<Claim> claims_of(const SavePlan& plan, int rank) {
   return out;
 }
 
-void write_items(const SavePlan& plan, std::span<const DatasetInfo> datasets, PieceWriter& writer,
+void write_items(const SavePlan& plan, std::span<const Dataset> datasets, PieceWriter& writer,
                  const StagingPool* staging) {
-  std::map<std::string_view, const DatasetInfo*> by_key;
-  for (const DatasetInfo& d : datasets) by_key.emplace(d.key, &d);
+  std::map<std::string_view, const Dataset*> by_key;
+  for (const Dataset& d : datasets) by_key.emplace(d.key, &d);
   // Rows of device items staged in the pool, per buffer, in write order: a buffer's rows are written
   // once the engine has copied them, while it copies into the next buffer.
   struct Staged {
-    const DatasetInfo* dataset;
+    const Dataset* dataset;
     Box box;
     MutTensorView rows;
   };
@@ -549,7 +547,7 @@ void require_memory_for(const StateDict& request) {
   const auto add = [&](const Extents& shape, DType dtype, std::string_view key) {
     bytes = static_cast<std::uint64_t>(checked_add(
         static_cast<std::int64_t>(bytes),
-        checked_mul(shape.elements(), static_cast<std::int64_t>(dtype_size(dtype)), cat("the bytes of ", key)),
+        checked_mul(shape.elements(), element_bytes(dtype), cat("the bytes of ", key)),
         "the bytes of a load"));
   };
   for (const ShardedTensor& t : request.tensors()) add(t.shape, t.dtype, t.key);
@@ -631,7 +629,7 @@ StateDict request_all(const CheckpointReader& reader, const LoadLayout& layout) 
     for (const Section& b : r.blocks) covered.insert(block_key(r.key, b.name));
     add(r, reader.dataset(block_key(r.key, r.blocks.front().name)).dtype);
   }
-  for (const DatasetInfo& d : reader.datasets())
+  for (const Dataset& d : reader.datasets())
     if (!covered.contains(d.key) && d.shape[0] > 0)
       add({d.key, TpAxis::replicated, plain_sections(d.shape[0]), {d.shape.begin() + 1, d.shape.end()}}, d.dtype);
   return out;
@@ -641,7 +639,7 @@ void save_local(const StateDict& state, const fs::path& path, IoMethod method) {
   const ForbidMaterialization no_copies;
   // A rank's own file holds all it has: replicas do not share the writing.
   const SavePlan plan = plan_save(state, false);
-  std::vector<DatasetSpec> specs;
+  std::vector<Dataset> specs;
   std::map<std::string, int> seen;
   std::int64_t checksum_rows = 0;
   for (const SaveItem& i : plan.items) {

@@ -32,7 +32,7 @@ namespace {
 // w.z (bf16, 6 x 4) is written in two row pieces; w.out (f32, 5 x 4 x 2) in two column bands (dim 1
 // split in halves), as a row-parallel weight is. Checksums follow the write order below.
 constexpr std::int64_t two_checksums = 16;
-std::vector<DatasetSpec> two_datasets(bool chunked = false) {
+std::vector<Dataset> two_datasets(bool chunked = false) {
   return {{"w.z", DType::bf16, {6, 4}, std::nullopt, {}, {{{{0, 2}, {0, 4}}, 0}, {{{2, 6}, {0, 4}}, 2}}},
           {"w.out",
            DType::f32,
@@ -46,7 +46,7 @@ float out_value(std::size_t i) { return static_cast<float>(i) * 3; }
 
 // Writes every element of both datasets: z[i] = i + 0.5, out[i] = 3 i (flat indices).
 void write_into(io::File& file, IoMethod method, bool chunked = false,
-                std::map<std::string, CommonValue, std::less<>> common = {{"iteration", std::int64_t{7}}}) {
+                Values common = {{"iteration", std::int64_t{7}}}) {
   const Skeleton sk = create_skeleton(file, two_datasets(chunked),
                                       {CheckpointKind::global, {}, std::move(common), std::string(32, 'a')}, two_checksums);
   HostBuffer z = HostBuffer::zeros(DType::bf16, {6, 4});
@@ -69,18 +69,18 @@ void write_into(io::File& file, IoMethod method, bool chunked = false,
 }
 
 void write_all(const std::filesystem::path& path, IoMethod method, bool chunked = false,
-               std::map<std::string, CommonValue, std::less<>> common = {{"iteration", std::int64_t{7}}}) {
+               Values common = {{"iteration", std::int64_t{7}}}) {
   io::File file = io::File::create(path);
   write_into(file, method, chunked, std::move(common));
 }
 
-Skeleton skeleton_at(const std::filesystem::path& path, std::span<const DatasetSpec> datasets, std::int64_t checksum_rows) {
+Skeleton skeleton_at(const std::filesystem::path& path, std::span<const Dataset> datasets, std::int64_t checksum_rows) {
   io::File file = io::File::create(path);
   return create_skeleton(file, datasets, {}, checksum_rows);
 }
 
 std::vector<float> read_out(const CheckpointReader& r, ReadOptions options = {}) {
-  const DatasetInfo& d = r.dataset("w.out");
+  const Dataset& d = r.dataset("w.out");
   HostBuffer b = HostBuffer::zeros(DType::f32, {5, 4, 2});
   r.read(d, std::vector<std::int64_t>{0, 0, 0}, d.shape, b.mut_view(), options);
   auto v = b.view().as<float>();
@@ -149,7 +149,7 @@ TEST(Format, ChunkedBandsReadAtAnyWidthAndEveryReadIsChecked) {
   ScratchDir dir;
   write_all(dir / "c.h5", IoMethod::raw, true);
   const CheckpointReader r(dir / "c.h5");
-  const DatasetInfo& d = r.dataset("w.out");
+  const Dataset& d = r.dataset("w.out");
   // Rows 1..4 of dim-1 columns [1, 3): across both bands, both row chunks, and half of each saved
   // unit (those are read whole, checked, and their asked-for part copied).
   for (IoMethod m : {IoMethod::raw, IoMethod::hyperslab}) {
@@ -171,7 +171,7 @@ TEST(Format, DatasetsHaveGlobalShapesAndTheMetadataIsComplete) {
   EXPECT_EQ(r.version(), format_version);
   EXPECT_TRUE(r.checksummed());
   EXPECT_EQ(r.contents().id, std::string(32, 'a'));
-  const DatasetInfo& z = r.dataset("w.z");
+  const Dataset& z = r.dataset("w.z");
   EXPECT_EQ(z.dtype, DType::bf16);
   EXPECT_EQ(z.shape, (std::vector<std::int64_t>{6, 4}));
   EXPECT_EQ(std::get<std::int64_t>(r.contents().common.at("iteration")), 7);
@@ -379,13 +379,13 @@ TEST(Format, AReaderKeepsReadingTheFileItOpenedWhenThePathIsReplaced) {
 
 TEST(Format, Hdf5ErrorsNameTheFileAndKey) {
   ScratchDir dir;
-  const std::vector<DatasetSpec> dup{{"k", DType::f32, {2}, std::nullopt, {}, {}},
+  const std::vector<Dataset> dup{{"k", DType::f32, {2}, std::nullopt, {}, {}},
                                      {"k", DType::f32, {2}, std::nullopt, {}, {}}};
   const Error e = error_of([&] { (void)skeleton_at(dir / "d.h5", dup, 0); });
   EXPECT_EQ(e.code(), Errc::hdf5);
   EXPECT_TRUE(contains(e.what(), "of key k in ") && contains(e.what(), "d.h5")) << e.what();
   EXPECT_EQ(error_of([&] {
-              (void)skeleton_at(dir / "bad.h5", std::vector<DatasetSpec>{{"a/b", DType::f32, {2}, std::nullopt, {}, {}}},
+              (void)skeleton_at(dir / "bad.h5", std::vector<Dataset>{{"a/b", DType::f32, {2}, std::nullopt, {}, {}}},
                                 0);
             }).code(),
             Errc::invalid_argument);
@@ -428,7 +428,7 @@ TEST(Format, LargeParameterRecordsAndManyCommonValuesFitAndReadInLinearTime) {
                        TpAxis::rows,
                        {{"z", 64}, {"x", 64}, {"B", 32}, {"C", 32}, {"dt", 8}},
                        {4096}});
-  std::map<std::string, CommonValue, std::less<>> common{{"config", std::string(200'000, 'c')}};
+  Values common{{"config", std::string(200'000, 'c')}};
   for (int i = 0; i < 20'000; ++i) common.emplace("value." + std::to_string(i), std::int64_t{i});
   {
     io::File f = io::File::create(dir / "big.h5");
@@ -656,7 +656,7 @@ TEST(Format, AFileChangedInPlaceUnderAReaderIsAnErrorNeverACrash) {
       f << std::string(good.size() - 512 - 2048, '\xAB');
     }
     return error_of([&] {
-      const DatasetInfo& d = r.dataset("w.out");
+      const Dataset& d = r.dataset("w.out");
       (void)read_out(r);
       (void)d;
     });

@@ -20,8 +20,8 @@ using namespace shardckpt;
 // Reads and checks are bounded, so that a file claiming huge tensors costs no more than a small one.
 constexpr std::int64_t max_bytes = std::int64_t{4} << 20;
 
-std::int64_t bytes_of(const DatasetInfo& d) {
-  return checked_mul(element_count(d.shape), static_cast<std::int64_t>(dtype_size(d.dtype)), "dataset bytes");
+std::int64_t bytes_of(const Dataset& d) {
+  return checked_mul(element_count(d.shape), element_bytes(d.dtype), "dataset bytes");
 }
 
 void exercise(const std::string& path) {
@@ -30,7 +30,7 @@ void exercise(const std::string& path) {
   const CheckpointReader reader(path, {.require_seal = true});
   (void)reader.skipped();
   std::int64_t total = 0;
-  for (const DatasetInfo& d : reader.datasets()) {
+  for (const Dataset& d : reader.datasets()) {
     const std::int64_t bytes = bytes_of(d);
     total = checked_add(total, bytes, "checkpoint bytes");
     if (bytes > max_bytes || d.shape[0] == 0) continue;

@@ -263,11 +263,12 @@ TEST(Plan, ReplicatedWeightIsSavedByTpRankZeroOnly) {
 TEST(Plan, ParamAtAnotherTpKeepsGlobalBlocks) {
   const SsmDims d{.heads = 4, .head_dim = 5, .groups = 2, .state = 3, .householder = 3};
   ParamSpec tp2{"in_proj.weight", gdp_in_proj_sections(d, 2), {4}, TpAxis::rows, 2};
-  const auto global = global_sections(tp2);
-  ParamSpec tp1 = param_at_tp("in_proj.weight", global, global_trailing(tp2), TpAxis::rows, 1);
+  const ParamRecord global = record_of(tp2);
+  ParamSpec tp1 = spec_at_tp(global, 1);
   EXPECT_EQ(tp1.sections, gdp_in_proj_sections(d, 1));
-  for (std::size_t j = 0; j < global.size(); ++j) EXPECT_EQ(blocks(tp1)[j].global_shape, blocks(tp2)[j].global_shape);
-  EXPECT_THROW((void)param_at_tp("in_proj.weight", global, global_trailing(tp2), TpAxis::rows, 3), Error);
+  for (std::size_t j = 0; j < global.blocks.size(); ++j)
+    EXPECT_EQ(blocks(tp1)[j].global_shape, blocks(tp2)[j].global_shape);
+  EXPECT_THROW((void)spec_at_tp(global, 3), Error);
 }
 
 TEST(Validation, OverlapNamesKeyRanksAndRows) {

@@ -109,7 +109,7 @@ TEST(Save, NoPadRowReachesTheFile) {
             [&](ProcessGroup& g) { save(models[static_cast<std::size_t>(g.rank())].state, dir / "a.h5", g); });
   const CheckpointReader reader(dir / "a.h5");
   std::int64_t total = 0;
-  for (const DatasetInfo& d : reader.datasets()) {
+  for (const Dataset& d : reader.datasets()) {
     std::vector<std::int64_t> zero(d.shape.size(), 0);
     const std::int64_t n = element_count(d.shape);
     HostBuffer all = HostBuffer::zeros(d.dtype, Extents(std::span<const std::int64_t>(d.shape)));
@@ -144,8 +144,8 @@ TEST(Save, ReferenceCaseEqualsThePlainTpSave) {
   save_model(c, {2, 1, 0, 1}, dir / "plain.h5");
   const CheckpointReader a(dir / "gtp.h5"), b(dir / "plain.h5");
   ASSERT_EQ(a.datasets().size(), b.datasets().size());
-  for (const DatasetInfo& d : b.datasets()) {
-    const DatasetInfo& e = a.dataset(d.key);
+  for (const Dataset& d : b.datasets()) {
+    const Dataset& e = a.dataset(d.key);
     ASSERT_EQ(e.shape, d.shape) << d.key;
     HostBuffer x = HostBuffer::zeros(d.dtype, Extents(std::span<const std::int64_t>(d.shape)));
     HostBuffer y = HostBuffer::zeros(d.dtype, Extents(std::span<const std::int64_t>(d.shape)));
@@ -507,7 +507,7 @@ TEST_P(SeedScale, FullPartlyPaddedAndPaddingOnlyRanksRoundTripOnTheGlobalPath) {
   const CheckpointReader reader(dir / "seed.h5");
   ASSERT_EQ(reader.datasets().size(), 5u);
   const auto read_all = [&](const std::string& key, std::vector<std::int64_t> shape) {
-    const DatasetInfo& d = reader.dataset(key);
+    const Dataset& d = reader.dataset(key);
     EXPECT_EQ(d.shape, shape) << key;
     EXPECT_EQ(d.dtype, dtype()) << key;
     HostBuffer all = HostBuffer::zeros(dtype(), Extents(std::span<const std::int64_t>(shape)));
@@ -571,7 +571,7 @@ TEST_P(SeedScale, PaddingOnlyRankIsRebuiltFromTheRequestAndMergedAgainstTheCompl
   save_local(r.state, dir / "rank63.h5", method());
   const CheckpointReader local(dir / "rank63.h5");
   EXPECT_EQ(error_of([&] { (void)local.dataset(fused.key); }).code(), Errc::missing_key);
-  for (const DatasetInfo& d : local.datasets()) {
+  for (const Dataset& d : local.datasets()) {
     EXPECT_FALSE(d.key.starts_with(fused.key)) << d.key;
     ASSERT_TRUE(d.placement.has_value()) << d.key;
     EXPECT_FALSE(d.placement->key.starts_with(fused.key)) << d.key;

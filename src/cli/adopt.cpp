@@ -25,7 +25,7 @@ struct AdoptFlags {
 
 struct Model {
   std::vector<ParamRecord> records;
-  std::map<std::string, CommonValue, std::less<>> common;
+  Values common;
 };
 
 // A JSON array of parameter records (docs/format.md), or a demo model config (whose checkpoints

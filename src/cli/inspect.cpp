@@ -15,15 +15,15 @@ namespace {
 
 using json = nlohmann::json;
 
-std::int64_t dataset_bytes(const DatasetInfo& d) {
-  return static_cast<std::int64_t>(dtype_size(d.dtype)) * element_count(d.shape);
+std::int64_t dataset_bytes(const Dataset& d) {
+  return element_bytes(d.dtype) * element_count(d.shape);
 }
 
 json inspect_json(const CheckpointReader& r, const std::string& file) {
   const CheckpointContents& c = r.contents();
   std::int64_t total = 0;
   json tensors = json::array(), params = json::array(), common = json::object(), skipped = json::array();
-  for (const DatasetInfo& d : r.datasets()) {
+  for (const Dataset& d : r.datasets()) {
     total += dataset_bytes(d);
     tensors.push_back(
         {{"key", d.key}, {"dtype", dtype_name(d.dtype)}, {"global_shape", d.shape}, {"bytes", dataset_bytes(d)}});
@@ -55,7 +55,7 @@ void print_table(const CheckpointReader& r, const json& j) {
               r.checksummed() ? ", checksummed" : ", no checksums", r.datasets().size(),
               mib_text(j["bytes"].get<std::int64_t>()).c_str());
   if (!r.contents().id.empty()) std::printf("  checkpoint id %s\n", r.contents().id.c_str());
-  for (const DatasetInfo& d : r.datasets())
+  for (const Dataset& d : r.datasets())
     std::printf("  %-56s %-5s %-20s %12lld bytes\n", d.key.c_str(), std::string(dtype_name(d.dtype)).c_str(),
                 dims_text(d.shape).c_str(), static_cast<long long>(dataset_bytes(d)));
   for (const auto& [key, why] : r.skipped()) std::printf("  %-56s skipped: %s\n", key.c_str(), why.c_str());

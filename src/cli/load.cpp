@@ -42,7 +42,7 @@ struct Outcome {
 std::int64_t shard_bytes(const StateDict& request) {
   std::int64_t n = 0;
   for (const ShardedParam& p : request.params())
-    n += p.shard_shape().elements() * static_cast<std::int64_t>(dtype_size(p.dtype));
+    n += p.shard_shape().elements() * element_bytes(p.dtype);
   return n;
 }
 
@@ -51,8 +51,8 @@ Outcome run(const LoadFlags& f, const demo::Layout& layout, const CheckpointRead
   Outcome out;
   std::mutex m;
   std::int64_t model = 0;
-  for (const DatasetInfo& d : reader.datasets())
-    model += element_count(d.shape) * static_cast<std::int64_t>(dtype_size(d.dtype));
+  for (const Dataset& d : reader.datasets())
+    model += element_count(d.shape) * element_bytes(d.dtype);
   ProgressLine progress("loading", model / (f.layout.mpi ? layout.ranks() : 1), g, is_root(f.layout.mpi));
   const auto t0 = std::chrono::steady_clock::now();
   run_job(f.layout.mpi, layout.ranks(), [&](ProcessGroup& group) {

@@ -64,7 +64,7 @@ int main(int argc, char** argv) {
   (void)wants_mpi;
 #endif
   CLI::App app{"shardckpt: save and load GTP-sharded tensor-parallel weights as HDF5 without gathering"};
-  app.set_version_flag("--version", std::string("shardckpt ") + std::string(cli::version) + " (checkpoint format " +
+  app.set_version_flag("--version", std::string("shardckpt ") + std::string(shardckpt::library_version()) + " (checkpoint format " +
                                         std::to_string(shardckpt::format_version) + ")");
   app.require_subcommand(1);
   app.fallthrough();

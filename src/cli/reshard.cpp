@@ -34,8 +34,8 @@ Runner add_reshard(CLI::App& app, Global& global) {
     const CheckpointReader reader(f->in);
     require_memory(reader, layout, false, false);
     std::int64_t bytes = 0;
-    for (const DatasetInfo& d : reader.datasets())
-      bytes += element_count(d.shape) * static_cast<std::int64_t>(dtype_size(d.dtype));
+    for (const Dataset& d : reader.datasets())
+      bytes += element_count(d.shape) * element_bytes(d.dtype);
     const auto t0 = std::chrono::steady_clock::now();
     {
       ProgressLine loading("loading", bytes, global), saving("saving ", bytes, global);

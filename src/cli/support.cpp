@@ -160,7 +160,7 @@ void require_memory(const CheckpointReader& reader, const demo::Layout& layout, 
     const StateDict request = request_of(reader, layout, rank, distributed);
     for (const ShardedParam& p : request.params())
       bytes = checked_add(bytes,
-                          checked_mul(p.shard_shape().elements(), static_cast<std::int64_t>(dtype_size(p.dtype)),
+                          checked_mul(p.shard_shape().elements(), element_bytes(p.dtype),
                                       cat("the shard bytes of ", p.spec.key)),
                           "the shard bytes of the load");
   }

@@ -26,8 +26,8 @@ Runner add_verify(CLI::App& app, Global& global) {
     VerifyReport r;
     {
       std::int64_t total = 0;
-      for (const DatasetInfo& d : reader.datasets())
-        total += element_count(d.shape) * static_cast<std::int64_t>(dtype_size(d.dtype));
+      for (const Dataset& d : reader.datasets())
+        total += element_count(d.shape) * element_bytes(d.dtype);
       ProgressLine progress("verifying", total, global);
       r = verify_checkpoint(reader, [&](std::int64_t done, std::int64_t) {
         progress.add(done - reported);
