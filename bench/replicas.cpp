@@ -7,7 +7,7 @@
 
 #include "bench.hpp"
 
-import shardckpt.io;
+import shardckpt.storage;
 
 namespace bench {
 namespace {

@@ -22,7 +22,7 @@ export module shardckpt.dist;
 import shardckpt.core;
 import shardckpt.views;
 import shardckpt.engine;
-import shardckpt.format;
+import shardckpt.storage;
 import shardckpt.state;
 
 export namespace shardckpt {

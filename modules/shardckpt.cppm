@@ -5,6 +5,6 @@ export import shardckpt.core;
 export import shardckpt.layout;
 export import shardckpt.views;
 export import shardckpt.engine;
-export import shardckpt.format;
+export import shardckpt.storage;
 export import shardckpt.state;
 export import shardckpt.dist;

@@ -25,7 +25,7 @@ import shardckpt.core;
 import shardckpt.layout;
 import shardckpt.views;
 import shardckpt.engine;
-import shardckpt.format;
+import shardckpt.storage;
 
 export namespace shardckpt {
 

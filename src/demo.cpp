@@ -12,7 +12,7 @@ module;
 #include <variant>
 #include <vector>
 module shardckpt.demo;
-import shardckpt.io;
+import shardckpt.storage;
 
 namespace shardckpt::demo {
 namespace {

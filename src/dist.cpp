@@ -24,7 +24,7 @@ module;
 #include <vector>
 module shardckpt.dist;
 import shardckpt.layout;
-import shardckpt.io;
+import shardckpt.storage;
 
 namespace shardckpt {
 

@@ -15,7 +15,7 @@ module;
 #include <variant>
 #include <vector>
 module shardckpt.state;
-import shardckpt.io;
+import shardckpt.storage;
 
 namespace shardckpt {
 namespace {

@@ -19,7 +19,6 @@
 #include "test_support.hpp"
 #include "test_model.hpp"
 import shardckpt;
-import shardckpt.io;
 
 using namespace shardckpt;
 using testing_support::error_of;

@@ -18,7 +18,6 @@
 #include "test_support.hpp"
 #include "test_model.hpp"
 import shardckpt;
-import shardckpt.io;
 
 using namespace shardckpt;
 using testing_support::contains;

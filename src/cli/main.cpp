@@ -14,7 +14,6 @@
 #include <string_view>
 import shardckpt;
 import shardckpt.cli;
-import shardckpt.io;
 
 namespace cli = shardckpt::cli;
 

@@ -25,50 +25,15 @@ module;
 #include <system_error>
 #include <utility>
 #include <vector>
-module shardckpt.io;
+module shardckpt.storage;
+import shardckpt.core;
+import shardckpt.layout;
+import shardckpt.views;
+import :os;
 
 namespace shardckpt::io {
 namespace {
-
 namespace fs = std::filesystem;
-
-// Running out of descriptors or kernel memory is no I/O error of the file.
-Errc code_of(int err) { return err == EMFILE || err == ENFILE || err == ENOMEM ? Errc::resources : Errc::io; }
-
-[[noreturn]] void fail(std::string_view op, const fs::path& file, int err) {
-  throw Error(code_of(err), cat("could not ", op, " ", file.string(), ": ", std::strerror(err)));
-}
-
-[[noreturn]] void fail_at(std::string_view op, const fs::path& file, std::size_t n, std::uint64_t offset, int err) {
-  throw Error(Errc::io,
-              cat("could not ", op, " ", n, " bytes at byte ", offset, " of ", file.string(), ": ", std::strerror(err)));
-}
-
-// A file-size limit (ulimit -f) kills a process with SIGXFSZ by default; ignored, the write
-// fails with EFBIG and the save reports it like any other write error. Only a default
-// disposition is changed: a handler the application installed stays.
-void ignore_sigxfsz() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    struct sigaction current{};
-    if (::sigaction(SIGXFSZ, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
-      struct sigaction ignore{};
-      ignore.sa_handler = SIG_IGN;
-      ::sigemptyset(&ignore.sa_mask);
-      ::sigaction(SIGXFSZ, &ignore, nullptr);
-    }
-  });
-}
-
-int open_fd(const fs::path& path, int flags) {
-  const int fd = ::open(path.c_str(), flags | O_CLOEXEC, 0644);
-  if (fd < 0) fail("open", path, errno);
-  return fd;
-}
-
-// Transfers are split so that one call never asks for more than the kernel moves at once.
-constexpr std::size_t max_transfer = std::size_t{1} << 30;
-
 }  // namespace
 
 File File::open_read(const fs::path& path) { return File(open_fd(path, O_RDONLY), path); }
@@ -153,10 +118,6 @@ void File::set_mode(std::uint32_t mode) {
 
 void File::try_set_group(std::uint32_t group) noexcept { (void)::fchown(fd_, static_cast<uid_t>(-1), group); }
 
-namespace {
-std::atomic<std::uint64_t> bytes_read{0}, bytes_written{0};
-}  // namespace
-
 IoStats io_stats() noexcept { return {bytes_read.load(), bytes_written.load()}; }
 
 std::size_t File::pread_upto(void* dst, std::size_t n, std::uint64_t offset) const {
@@ -205,186 +166,6 @@ void File::sync() {
 void File::close() {
   const int fd = std::exchange(fd_, -1);
   if (fd >= 0 && ::close(fd) != 0 && errno != EINTR) fail("close", path_, errno);
-}
-
-// ---- bulk reads that bypass the page cache ----------------------------------------------------
-
-namespace {
-
-// O_DIRECT transfers start, end and land at multiples of this: the logical block of every common
-// block device is 512 or 4096 bytes. A file system that wants more refuses with EINVAL.
-constexpr std::uint64_t direct_align = 4096;
-constexpr std::size_t bounce_bytes = std::size_t{1} << 20;
-// Offsets past this go to the plain descriptor (whose read reports them), so aligning never overflows.
-constexpr auto limit = static_cast<std::uint64_t>(std::numeric_limits<off_t>::max()) - direct_align;
-
-std::uint64_t align_down(std::uint64_t x) { return x & ~(direct_align - 1); }
-std::uint64_t align_up(std::uint64_t x) { return align_down(x + direct_align - 1); }
-bool aligned(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % direct_align == 0; }
-
-struct FreeBounce {
-  void operator()(std::byte* p) const noexcept { std::free(p); }
-};
-using Bounce = std::unique_ptr<std::byte, FreeBounce>;
-
-}  // namespace
-
-struct BulkReader::State {
-  explicit State(const File& f) : file(f) {}
-  State(const State&) = delete;
-  State& operator=(const State&) = delete;
-  ~State() {
-    if (fd >= 0) ::close(fd);
-  }
-
-  const File& file;
-  int fd = -1;  // the O_DIRECT descriptor
-  std::atomic<bool> direct{false};
-  std::mutex mutex;
-  std::vector<Bounce> spare;  // bounce buffers between reads
-
-  Bounce take() {
-    {
-      const std::lock_guard lock(mutex);
-      if (!spare.empty()) {
-        Bounce b = std::move(spare.back());
-        spare.pop_back();
-        return b;
-      }
-    }
-    auto* p = static_cast<std::byte*>(std::aligned_alloc(direct_align, bounce_bytes));
-    if (p == nullptr) throw std::bad_alloc();
-    return Bounce(p);
-  }
-
-  void give(Bounce b) {
-    const std::lock_guard lock(mutex);
-    spare.push_back(std::move(b));
-  }
-
-  // Reads up to `n` bytes at `offset` (`dst`, `n` and `offset` aligned) through the O_DIRECT
-  // descriptor: how many it read (fewer only at the end of the file), or nothing when the kernel
-  // refuses direct reads of this file (EINVAL), which ends them for this reader.
-  std::optional<std::size_t> direct_read(std::byte* dst, std::size_t n, std::uint64_t offset) {
-    std::size_t done = 0;
-    while (done < n) {
-      const ssize_t got = ::pread(fd, dst + done, std::min(n - done, max_transfer), static_cast<off_t>(offset + done));
-      if (got < 0 && errno == EINTR) continue;
-      if (got < 0 && errno == EINVAL) {
-        direct = false;
-        return std::nullopt;
-      }
-      if (got < 0) fail_at("read", file.path(), n, offset, errno);
-      if (got == 0) break;
-      done += static_cast<std::size_t>(got);
-      if (done % direct_align != 0) break;  // the end of the file
-    }
-    bytes_read.fetch_add(done, std::memory_order_relaxed);
-    return done;
-  }
-
-  // `n` bytes at `offset` through a bounce buffer: how many the file holds, up to `n`.
-  std::size_t bounced(std::byte* dst, std::size_t n, std::uint64_t offset) {
-    Bounce b = take();
-    std::size_t done = 0;
-    while (done < n) {
-      const std::uint64_t at = offset + done, start = align_down(at);
-      const auto want = static_cast<std::size_t>(std::min<std::uint64_t>(bounce_bytes, align_up(offset + n) - start));
-      const std::optional<std::size_t> got = direct_read(b.get(), want, start);
-      if (!got) {
-        done += file.pread_upto(dst + done, n - done, at);
-        break;
-      }
-      const auto skip = static_cast<std::size_t>(at - start);
-      if (*got <= skip) break;
-      const std::size_t use = std::min(*got - skip, n - done);
-      std::memcpy(dst + done, b.get() + skip, use);
-      done += use;
-      if (*got < want) break;
-    }
-    give(std::move(b));
-    return done;
-  }
-
-  // Up to `n` bytes at `offset`: the aligned middle straight into `dst` where it lies aligned, the
-  // rest through a bounce buffer.
-  std::size_t read_upto(std::byte* dst, std::size_t n, std::uint64_t offset) {
-    if (!direct || n == 0 || offset > limit || n > limit - offset) return file.pread_upto(dst, n, offset);
-    const std::uint64_t a = align_up(offset), b = align_down(offset + n);
-    std::byte* middle = dst + (a - offset);
-    if (a >= b || !aligned(middle)) return bounced(dst, n, offset);
-    const std::size_t head = a - offset;
-    std::size_t done = head ? bounced(dst, head, offset) : 0;
-    if (done < head) return done;
-    const std::optional<std::size_t> got = direct_read(middle, b - a, a);
-    if (!got) return done + file.pread_upto(middle, n - head, a);
-    done += *got;
-    if (*got < b - a || offset + n == b) return done;
-    return done + bounced(dst + (b - offset), offset + n - b, b);
-  }
-};
-
-BulkReader::BulkReader(const File& file, PageCache cache) : state_(std::make_unique<State>(file)) {
-  if (cache == PageCache::use) return;
-  const int fd = ::open(file.path().c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
-  if (fd < 0) return;
-  struct stat st {};
-  const FileIdentity mine = file.identity();
-  if (::fstat(fd, &st) != 0 || static_cast<std::uint64_t>(st.st_dev) != mine.device ||
-      static_cast<std::uint64_t>(st.st_ino) != mine.inode) {
-    ::close(fd);  // the path names another file now: read through the descriptor that was checked
-    return;
-  }
-  state_->fd = fd;
-  state_->direct = true;
-}
-
-BulkReader::~BulkReader() = default;
-
-bool BulkReader::bypasses() const noexcept { return state_->direct; }
-
-void BulkReader::read(void* dst, std::size_t n, std::uint64_t offset) const {
-  auto* p = static_cast<std::byte*>(dst);
-  const std::size_t got = state_->read_upto(p, n, offset);
-  // The rest, if any, the way a plain read reports it: a truncated file, or a read error.
-  if (got < n) state_->file.pread_all(p + got, n - got, offset + got);
-}
-
-void BulkReader::read_runs(std::byte* dst, std::size_t run, std::size_t stride, std::size_t count,
-                           std::uint64_t offset) const {
-  State& s = *state_;
-  std::size_t total = 0;
-  const bool out_of_range = __builtin_mul_overflow(run, count, &total) || offset > limit || total > limit - offset;
-  // Rows that fill bounce buffers on their own are read one by one, straight into place.
-  if (!s.direct || out_of_range || run >= bounce_bytes / 2) {
-    for (std::size_t r = 0; r < count; ++r) read(dst + r * stride, run, offset + r * run);
-    return;
-  }
-  // The rows follow each other in the file: read a bounce buffer's worth, scatter it to the rows.
-  const auto scatter = [&](std::uint64_t from, std::uint64_t to, const auto& move) {
-    while (from < to) {
-      const std::uint64_t r = (from - offset) / run, in_row = from - offset - r * run;
-      const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(run - in_row, to - from));
-      move(dst + r * stride + in_row, n, from);
-      from += n;
-    }
-  };
-  const std::uint64_t end = offset + total;
-  std::uint64_t at = offset;
-  Bounce b = s.take();
-  while (at < end) {
-    const std::uint64_t start = align_down(at);
-    const auto want = static_cast<std::size_t>(std::min<std::uint64_t>(bounce_bytes, align_up(end) - start));
-    const std::optional<std::size_t> got = s.direct_read(b.get(), want, start);
-    const std::uint64_t have = got ? std::min(end, start + *got) : at;
-    scatter(at, have,
-            [&](std::byte* p, std::size_t n, std::uint64_t from) { std::memcpy(p, b.get() + (from - start), n); });
-    at = have;
-    if (!got || *got < want) break;
-  }
-  s.give(std::move(b));
-  // What the direct reads did not bring (the end of the file, or a refusal), read plainly.
-  scatter(at, end, [&](std::byte* p, std::size_t n, std::uint64_t from) { s.file.pread_all(p, n, from); });
 }
 
 // ---- directories, destinations and temporary files ----------------------------------------------

@@ -1,9 +1,12 @@
-// shardckpt.io: raw positional file I/O, the only place where checkpoint bytes meet the operating
-// system (HDF5's own reads and writes come through here too, see shardckpt.hdf5). A File owns one
+// shardckpt.storage:file: where checkpoint bytes meet the operating system, and the only place
+// (HDF5's own reads and writes come through here too, see the :hdf5 partition). A File owns one
 // descriptor; every transfer moves all of its bytes or throws Error{Errc::io} naming the file, the
 // operation and the byte range, whatever the cause (EIO, ENOSPC, EFBIG, a short write that makes no
 // progress). SIGXFSZ is ignored from the first write on, so that a file-size limit is an EFBIG
-// error, not the death of the process. This module knows nothing of HDF5, tensors or ranks.
+// error, not the death of the process. Names are hostile: a Directory is held open and names are
+// resolved against it, a TemporaryFile is created under a name nobody can plant, and files are opened
+// without following links or blocking where someone else could have put something at the name.
+// This partition knows nothing of HDF5, tensors or ranks.
 module;
 #include <cstddef>
 #include <cstdint>
@@ -12,7 +15,7 @@ module;
 #include <optional>
 #include <string>
 #include <string_view>
-export module shardckpt.io;
+export module shardckpt.storage:file;
 import shardckpt.core;
 
 export namespace shardckpt::io {

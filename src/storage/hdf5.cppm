@@ -1,4 +1,5 @@
-// shardckpt.hdf5: the thin, checked layer over HDF5's C API. Every identifier has an owner that closes
+// shardckpt.storage:hdf5 (an implementation partition: never installed, never imported by an
+// interface, so that no consumer needs HDF5's headers): the thin, checked layer over HDF5's C API. Every identifier has an owner that closes
 // it with the right function; every call's result is checked and HDF5's error stack becomes an
 // Error{Errc::hdf5} that names the file, the key and the operation, with HDF5's major and minor
 // messages. HDF5 reaches the disk only through a Channel: a virtual file driver over one open
@@ -20,12 +21,12 @@ module;
 #include <string_view>
 #include <variant>
 #include <vector>
-export module shardckpt.hdf5;
+module shardckpt.storage:hdf5;
 import shardckpt.core;
 import shardckpt.layout;
-import shardckpt.io;
+import :file;
 
-export namespace shardckpt::hdf5 {
+namespace shardckpt::hdf5 {
 
 // Where an HDF5 call happened, for the error message.
 struct Where {

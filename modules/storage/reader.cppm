@@ -1,0 +1,96 @@
+// shardckpt.storage:reader: an open checkpoint, read as hostile input. The seal is checked before
+// HDF5 parses a byte and again on every read HDF5 makes; every attribute, shape, address and table
+// is checked before it is used; every byte read is checked against its row's checksum; every file
+// is opened by the reader itself. Reads land straight in the caller's rows. Knows nothing of ranks.
+module;
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+export module shardckpt.storage:reader;
+import shardckpt.core;
+import shardckpt.layout;
+import shardckpt.views;
+import :file;
+import :format;
+
+export namespace shardckpt {
+
+struct ReadOptions {
+  IoMethod method = IoMethod::raw;
+  // Check every byte read against its checksum (Errc::corrupt on a mismatch).
+  bool verify = true;
+  BytesDone progress = {};
+  // Read tensor data around the page cache (O_DIRECT) where the file system allows it; see
+  // io::BulkReader. Metadata and checksums always go through the page cache.
+  bool bypass_page_cache = false;
+};
+
+struct OpenOptions {
+  // The seal another rank already checked for this file: only compare the file's to it (0: the
+  // file must be unsealed). Unset: check the whole seal here.
+  std::optional<std::uint64_t> trusted_seal = {};
+  // Refuse (Errc::not_a_checkpoint) a file without a seal: one whose metadata HDF5 would parse
+  // unchecked (written by another tool, changed by one after the save, or written before seals).
+  bool require_seal = false;
+};
+
+// An open, complete checkpoint. Metadata and data come from one open file: a path replaced while
+// the reader is open does not change what it reads. Reads from many threads run in parallel on
+// the direct path.
+class CheckpointReader {
+ public:
+  // Throws Errc::corrupt when the file's seal shows its metadata was damaged, Errc::replaced when
+  // it does not match options.trusted_seal, and Errc::not_a_checkpoint for a file that is not a
+  // complete shardckpt checkpoint (missing, foreign, unfinished, truncated, or with metadata that
+  // contradicts itself), naming the attribute.
+  explicit CheckpointReader(const std::filesystem::path& path, OpenOptions options = {});
+  CheckpointReader(CheckpointReader&&) noexcept;
+  CheckpointReader& operator=(CheckpointReader&&) noexcept;
+  ~CheckpointReader();
+
+  const std::filesystem::path& path() const noexcept;
+  int version() const noexcept;
+  // False for checkpoints written before checksums existed (format version 1) or saved without.
+  bool checksummed() const noexcept;
+  io::FileIdentity identity() const;
+  // The checksum of the file's HDF5 metadata, when it carries a seal; files written by other tools,
+  // changed by them after the save, or written before seals existed carry none.
+  std::optional<std::uint64_t> seal() const noexcept;
+  // Kind, common values, id, and the parameter records as parsed (see params()).
+  const CheckpointContents& contents() const noexcept;
+  // What ranks compare to know that they opened the same checkpoint: a hash of the id, the seal's
+  // digest, the file's size, the version, the kind, the records and the common values, so that two
+  // files that share an id (a copy edited by another tool) are never taken for one.
+  std::uint64_t fingerprint() const;
+  // The parameter records, each checked against the datasets of its blocks (keys, shapes, one
+  // dtype); a contradiction is Errc::not_a_checkpoint naming the record.
+  const std::vector<ParamRecord>& params() const;
+  // Every tensor dataset, in key order. Headers are read on first use.
+  const std::vector<Dataset>& datasets() const;
+  // Objects at the root that are not tensors (groups, scalar datasets, unsupported element types)
+  // with the reason they are skipped.
+  const std::vector<std::pair<std::string, std::string>>& skipped() const;
+  // Throws Errc::missing_key, or Errc::not_a_checkpoint for a skipped object.
+  const Dataset& dataset(std::string_view key) const;
+  // The slabs a dataset was saved in, checked to tile it exactly (empty in version 1).
+  std::vector<Slab> slabs(const Dataset& dataset) const;
+
+  // Reads `box` of the dataset into `dst` (box rows of box width, the dataset's dtype).
+  void read(const Dataset& dataset, const Box& box, MutTensorView dst, ReadOptions options = {}) const;
+  // The same for the slab at `offset` with extent `count`.
+  void read(const Dataset& dataset, std::span<const std::int64_t> offset, std::span<const std::int64_t> count,
+            MutTensorView dst, ReadOptions options = {}) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace shardckpt

@@ -1,0 +1,58 @@
+// shardckpt.storage:tools: what works on whole checkpoint files beside saving and loading: adopting
+// a plain HDF5 file (its bytes stay where they are), checking every byte of a checkpoint against its
+// checksums, and parameter records as JSON text.
+module;
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+export module shardckpt.storage:tools;
+import shardckpt.core;
+import shardckpt.layout;
+import :format;
+import :reader;
+
+export namespace shardckpt {
+
+// What verify_checkpoint found.
+struct VerifyReport {
+  bool checksummed = true;
+  std::int64_t datasets = 0;
+  std::int64_t bytes = 0;
+  std::int64_t checksum_rows = 0;  // rows checked
+  std::int64_t mismatches = 0;  // rows whose bytes differ from their checksum
+  std::vector<std::string> problems;  // the first few, naming key and rows
+};
+// Makes the plain HDF5 file `plain` (datasets at the root with the non-GTP keys and global shapes,
+// contiguous and unfiltered, as h5py writes them; no shardckpt metadata) loadable as a checkpoint
+// without rewriting its data: writes the checkpoint `out`, in the same directory, whose datasets
+// keep their bytes in `plain` (HDF5 external storage) and which carries the parameter records,
+// `common`, the slab table and the checksum of every row (read from `plain` once). `plain` is not
+// changed. Throws Errc::not_a_checkpoint naming a dataset it cannot adopt, Errc::invalid_argument
+// when the records do not match the datasets, and Errc::io.
+// `out` may not be `plain` itself (the same file through any link) and may not name anything but a
+// regular file; it is written like a save (a temporary file, committed atomically).
+struct AdoptReport {
+  std::int64_t tensors = 0;
+  std::int64_t params = 0;
+  std::int64_t bytes = 0;
+};
+AdoptReport adopt(const std::filesystem::path& plain, const std::filesystem::path& out,
+                  const std::vector<ParamRecord>& records, const Values& common);
+// Parameter records as JSON text (the `params` attribute of docs/format.md), and back; throws
+// Errc::invalid_argument for text that does not hold valid records.
+std::string records_json(const std::vector<ParamRecord>& records);
+std::vector<ParamRecord> parse_records(std::string_view json_text);
+
+// Reads every byte of every tensor of the checkpoint and checks it against its checksum.
+// `progress(bytes_done, bytes_total)` is called as it goes.
+VerifyReport verify_checkpoint(const CheckpointReader& reader,
+                               const std::function<void(std::int64_t, std::int64_t)>& progress = {});
+
+}  // namespace shardckpt

@@ -1,0 +1,271 @@
+module;
+#include <hdf5.h>
+
+#include <algorithm>
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <limits>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <variant>
+#include <vector>
+module shardckpt.storage;
+import shardckpt.core;
+import shardckpt.layout;
+import shardckpt.views;
+import :hdf5;
+import :raw;
+import :records;
+import :seal;
+
+namespace shardckpt {
+namespace {
+
+namespace fs = std::filesystem;
+using hdf5::check;
+using hdf5::Hid;
+using hdf5::owned;
+using hdf5::Where;
+
+Hid create_dataset(hid_t file, const Dataset& d, const Where& w) {
+  Hid dcpl = owned(H5Pcreate(H5P_DATASET_CREATE), H5Pclose, w);
+  if (d.external) {
+    require(io::plain_name(d.external->file), Errc::invalid_argument, "dataset ", d.key, ": external file '",
+            d.external->file, "' is not a plain file name");
+    const auto bytes = static_cast<hsize_t>(element_count(d.shape)) * dtype_size(d.dtype);
+    check(H5Pset_external(dcpl.get(), d.external->file.c_str(), static_cast<off_t>(d.external->offset), bytes), w);
+  } else if (d.chunk.empty()) {
+    check(H5Pset_layout(dcpl.get(), H5D_CONTIGUOUS), w);
+  } else {
+    const std::vector<hsize_t> chunk(d.chunk.begin(), d.chunk.end());
+    check(H5Pset_chunk(dcpl.get(), static_cast<int>(chunk.size()), chunk.data()), w);
+  }
+  // Allocated now and never filled: every byte has a fixed file address before any rank writes,
+  // and HDF5 spends no time writing fill values that pieces overwrite.
+  if (!d.external) check(H5Pset_alloc_time(dcpl.get(), H5D_ALLOC_TIME_EARLY), w);
+  check(H5Pset_fill_time(dcpl.get(), H5D_FILL_TIME_NEVER), w);
+  const std::vector<hsize_t> dims(d.shape.begin(), d.shape.end());
+  Hid space = owned(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), H5Sclose, w);
+  Hid type = hdf5::type_of(d.dtype);
+  return owned(H5Dcreate2(file, d.key.c_str(), type.get(), space.get(), H5P_DEFAULT, dcpl.get(), H5P_DEFAULT),
+               H5Dclose, w);
+}
+
+}  // namespace
+
+// ---- the writer side ----------------------------------------------------------------------------------
+
+Skeleton create_skeleton(io::File& f, std::span<const Dataset> datasets, const CheckpointContents& contents,
+                         std::int64_t checksum_rows) {
+  require(checksum_rows >= 0 && (contents.checksummed || checksum_rows == 0), Errc::internal, "a checksum count of ", checksum_rows);
+  const fs::path& partial = f.path();
+  const Where w{partial, "", "create the checkpoint"};
+  hdf5::Channel channel(f);
+  Skeleton out;
+  {
+    Hid file = hdf5::create_file(channel);
+    Hid meta = hdf5::create_group(file.get(), meta_group, w);
+    hdf5::write_attr(meta.get(), "format", std::string_view("shardckpt"), w);
+    hdf5::write_attr(meta.get(), "format_version", std::int64_t{format_version}, w);
+    hdf5::write_attr(meta.get(), "kind",
+                     std::string_view(contents.kind == CheckpointKind::global ? "global" : "local"), w);
+    hdf5::write_attr(meta.get(), "checkpoint_id", std::string_view(contents.id), w);
+    hdf5::write_attr(meta.get(), "checksums", contents.checksummed ? checksum_scheme : no_checksums, w);
+    hdf5::write_attr(meta.get(), "params", std::string_view(records_json(contents.params)), w);
+    meta.close(w);
+    Hid common = hdf5::create_group(file.get(), common_group, w);
+    for (const auto& [key, value] : contents.common) {
+      require_key(key);
+      hdf5::write_attr(common.get(), key.c_str(), value, w);
+    }
+    common.close(w);
+    if (contents.checksummed) {
+      const Dataset table{checksums_set, DType::u64, {checksum_rows}};
+      Hid set = create_dataset(file.get(), table, w);
+      if (checksum_rows > 0) {
+        const haddr_t addr = H5Dget_offset(set.get());
+        require(addr != HADDR_UNDEF, Errc::hdf5, "HDF5 did not allocate the checksum table of ", partial.string());
+        out.checksums_address = addr;
+        const auto begin = static_cast<std::int64_t>(addr);
+        out.data.push_back({begin, begin + checksum_rows * static_cast<std::int64_t>(sizeof(std::uint64_t))});
+      }
+      set.close(w);
+    }
+    Hid slabs = contents.checksummed ? hdf5::create_group(file.get(), slabs_group, w) : Hid();
+    out.datasets.reserve(datasets.size());
+    for (const Dataset& d : datasets) {
+      require_key(d.key);
+      const Where dw{partial, d.key, "create the dataset"};
+      Hid set = create_dataset(file.get(), d, dw);
+      if (d.placement) {
+        const Box& b = d.placement->box;
+        const std::int64_t box[] = {b.rows.begin, b.rows.end, b.cols.begin, b.cols.end};
+        hdf5::write_attr(set.get(), "global_key", std::string_view(d.placement->key), dw);
+        hdf5::write_attr(set.get(), "global_shape", std::span<const std::int64_t>(d.placement->global_shape), 0, dw);
+        hdf5::write_attr(set.get(), "global_box", std::span<const std::int64_t>(box), 0, dw);
+      }
+      if (contents.checksummed && !d.slabs.empty()) {
+        std::vector<std::int64_t> table;
+        table.reserve(d.slabs.size() * 5);
+        for (const Slab& s : d.slabs)
+          table.insert(table.end(), {s.box.rows.begin, s.box.rows.end, s.box.cols.begin, s.box.cols.end, s.first_checksum});
+        hdf5::write_attr(slabs.get(), d.key.c_str(), std::span<const std::int64_t>(table), 5, dw);
+      }
+      Hid type = hdf5::type_of(d.dtype);
+      Dataset made{d.key, d.dtype, d.shape, d.placement};
+      made.regions = raw_regions_of(set.get(), type.get(), d.shape, d.dtype, dw);
+      out.datasets.push_back(std::move(made));
+      for (const RawRegion& e : out.datasets.back().regions) {
+        const auto begin = static_cast<std::int64_t>(e.address);
+        out.data.push_back({begin, begin + box_elements(e.box) * element_bytes(d.dtype)});
+      }
+      set.close(dw);
+    }
+    if (slabs) slabs.close(w);
+    hdf5::close_written(file, channel, "create the checkpoint");
+  }
+  f.sync();
+  return out;
+}
+
+struct PieceWriter::Impl {
+  explicit Impl(io::File& f) : file(f) {}
+  fs::path path;
+  IoMethod method = IoMethod::raw;
+  std::optional<ChecksumSlot> checksums;
+  io::File& file;
+  std::unique_ptr<hdf5::Channel> channel;  // hyperslab path
+  Hid h5;                                  // hyperslab path
+  std::map<std::string, Hid, std::less<>> sets;
+  std::vector<std::uint64_t> hashes;  // not yet in the table
+  std::int64_t hashes_written = 0;    // checksums of this writer already in the table
+  BytesDone progress;
+
+  // The checksums computed so far go to their place in the table: a writer holds at most
+  // hash_batch of them, whatever the number of rows it writes.
+  static constexpr std::size_t hash_batch = 8192;
+  void flush_hashes();
+
+  hid_t dataset(const std::string& key, const Where& w) {
+    auto it = sets.find(key);
+    if (it == sets.end()) it = sets.emplace(key, owned(H5Dopen2(h5.get(), key.c_str(), H5P_DEFAULT), H5Dclose, w)).first;
+    return it->second.get();
+  }
+};
+
+PieceWriter::PieceWriter(io::File& file, IoMethod method, std::optional<ChecksumSlot> checksums, BytesDone progress)
+    : impl_(std::make_unique<Impl>(file)) {
+  Impl& m = *impl_;
+  m.path = file.path();
+  m.method = method;
+  m.checksums = checksums;
+  m.progress = std::move(progress);
+  if (method == IoMethod::raw) return;
+  m.channel = std::make_unique<hdf5::Channel>(m.file);
+  m.h5 = hdf5::open_file(*m.channel, true, Errc::hdf5);
+}
+
+PieceWriter::PieceWriter(PieceWriter&&) noexcept = default;
+PieceWriter& PieceWriter::operator=(PieceWriter&&) noexcept = default;
+PieceWriter::~PieceWriter() {
+  if (!impl_) return;
+  // An abandoned writer (its save failed): close HDF5 objects before the channel they use.
+  impl_->sets.clear();
+  impl_->h5 = Hid();
+}
+
+void PieceWriter::Impl::flush_hashes() {
+  if (hashes.empty()) return;
+  const Where w{path, "", "write the checksums"};
+  const auto n = static_cast<std::int64_t>(hashes.size());
+  const std::int64_t first = checksums->first_checksum + hashes_written;
+  if (method == IoMethod::raw) {
+    file.pwrite_all(hashes.data(), hashes.size() * sizeof(std::uint64_t),
+                    checksums->table_address + static_cast<std::uint64_t>(first) * sizeof(std::uint64_t));
+  } else {
+    const std::int64_t total = hdf5::shape_of(dataset(checksums_set, w), w, Errc::hdf5).at(0);
+    require(first + n <= total, Errc::internal, "checksums past the end of the table");
+    hdf5::write_box(dataset(checksums_set, w), DType::u64, std::vector<std::int64_t>{total}, {{first, first + n}, {0, 1}},
+                    hashes.data(), w);
+  }
+  hashes_written += n;
+  hashes.clear();
+}
+
+void PieceWriter::write(const Dataset& d, const Box& box, TensorView src) {
+  Impl& m = *impl_;
+  check_box(d, box, src.dtype(), src.bytes(), m.path);
+  if (box.empty()) return;
+  const std::int64_t es = element_bytes(d.dtype), row_bytes = box.cols.size() * es;
+  require(m.method == IoMethod::hyperslab || !d.regions.empty(), Errc::invalid_argument, "key ", d.key,
+          ": the direct path needs a dataset whose raw data it can address");
+  const Where w{m.path, d.key, "write a piece"};
+  const auto* bytes = static_cast<const std::byte*>(static_cast<const void*>(src.data()));
+  const std::int64_t step = batch_rows(row_bytes);
+  for (std::int64_t r0 = box.rows.begin; r0 < box.rows.end; r0 += step) {
+    const Box batch{{r0, std::min(r0 + step, box.rows.end)}, box.cols};
+    const std::byte* p = bytes + (r0 - box.rows.begin) * row_bytes;
+    // Each row's checksum is taken just before its bytes go out, while they are in cache.
+    if (m.checksums)
+      for (std::int64_t r = 0; r < batch.rows.size(); ++r) {
+        m.hashes.push_back(row_hash(p + r * row_bytes, static_cast<std::size_t>(row_bytes)));
+        if (m.hashes.size() == Impl::hash_batch) m.flush_hashes();
+      }
+    if (m.method == IoMethod::raw)
+      transfer(m.file.path(), d.regions, es, batch, p, row_bytes,
+               [&](const std::byte* q, std::size_t run, std::size_t rows, std::uint64_t at, std::int64_t file_stride) {
+                 if (static_cast<std::int64_t>(run) == file_stride && file_stride == row_bytes)
+                   return m.file.pwrite_all(q, run * rows, at);
+                 for (std::size_t r = 0; r < rows; ++r)
+                   m.file.pwrite_all(q + r * row_bytes, run, at + r * static_cast<std::uint64_t>(file_stride));
+               });
+    else
+      hdf5::write_box(m.dataset(d.key, w), d.dtype, d.shape, batch, p, w);
+    if (m.progress) m.progress(batch.rows.size() * row_bytes);
+  }
+}
+
+void PieceWriter::write(const Dataset& d, std::span<const std::int64_t> offset,
+                        std::span<const std::int64_t> count, TensorView src) {
+  write(d, box_of(d, offset, count), src);
+}
+
+void PieceWriter::finish() {
+  Impl& m = *impl_;
+  m.flush_hashes();
+  if (m.method == IoMethod::hyperslab) {
+    for (auto& [key, set] : m.sets) set.close({m.path, key, "write a piece"});
+    m.sets.clear();
+    hdf5::close_written(m.h5, *m.channel, "write pieces");
+  }
+  m.file.sync();
+}
+
+void mark_complete(io::File& f, std::span<const Range> data) {
+  const Where w{f.path(), "", "mark the checkpoint complete"};
+  hdf5::Channel channel(f);
+  {
+    Hid file = hdf5::open_file(channel, true, Errc::hdf5);
+    Hid meta = owned(H5Gopen2(file.get(), meta_group, H5P_DEFAULT), H5Gclose, w);
+    hdf5::write_attr(meta.get(), "complete", std::int64_t{1}, w);
+    meta.close(w);
+    hdf5::close_written(file, channel, "mark the checkpoint complete");
+  }
+  write_seal(f, data);
+  f.sync();
+}
+
+}  // namespace shardckpt
