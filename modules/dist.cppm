@@ -24,6 +24,7 @@ import shardckpt.views;
 import shardckpt.engine;
 import shardckpt.storage;
 import shardckpt.state;
+import shardckpt.merge;
 
 export namespace shardckpt {
 

@@ -7,4 +7,5 @@ export import shardckpt.views;
 export import shardckpt.engine;
 export import shardckpt.storage;
 export import shardckpt.state;
+export import shardckpt.merge;
 export import shardckpt.dist;

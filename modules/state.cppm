@@ -1,31 +1,21 @@
-// shardckpt.state: state dicts and their save and load planning. A state dict holds sharded tensors,
-// GTP-sharded parameters (factories: expanded into views of their shard's rows on save, merged back
-// into a padded shard on load), common values and local non-persistent values; the tensors are
-// TensorRefs, which keep memory the library allocated alive or say that they borrow.
-// prepare_save turns a state dict into writes without copying a byte: replicas of one shard each
-// write a balanced share, and a distributed optimizer's rank writes its flat range of the shard.
-// load_into reads each piece straight into its destination rows, where they are (host, or device
-// through a pool of pinned buffers), takes each padding-only rank's placeholder from the request as
-// a local value, and only then merges every factory against the complete loaded tree (loaded
-// shards, common values, local values), on the global path and the per-rank local path alike.
-// Nothing here knows about ranks beyond the state dict it is given: coordination lives in dist.
+// shardckpt.state: the data model of a rank's state. A state dict holds sharded tensors,
+// GTP-sharded parameters (factories: one parameter expanded into views of its shard's rows on save,
+// merged back into a padded shard on load), common values and local non-persistent values; the
+// tensors are TensorRefs, which keep memory the library allocated alive or say that they borrow. A
+// loaded state is what a load that allocates hands back. This module computes nothing about files:
+// shardckpt.merge turns state dicts into pieces and back, shardckpt.storage writes and reads them.
 module;
 #include <cstdint>
-#include <filesystem>
-#include <functional>
 #include <map>
 #include <optional>
-#include <span>
 #include <string>
 #include <string_view>
-#include <variant>
+#include <utility>
 #include <vector>
 export module shardckpt.state;
 import shardckpt.core;
 import shardckpt.layout;
 import shardckpt.views;
-import shardckpt.engine;
-import shardckpt.storage;
 
 export namespace shardckpt {
 
@@ -63,6 +53,8 @@ struct ShardedParam {
   TensorRef shard = {};
 
   GtpGeometry geometry() const { return GtpGeometry::make(spec.rows(), gtp, align); }
+  // "parameter K (TP rank t, GTP rank g)", for messages.
+  std::string describe() const;
   // (L, trailing...): the whole padded shard.
   Extents padded_shape() const;
   // What `shard` holds: the padded shard, or the flat range's elements as a 1-D tensor.
@@ -108,37 +100,6 @@ class StateDict {
   std::map<std::string, int, std::less<>> keys_;
 };
 
-// One write of a save: a view and the box of its dataset it fills (rows by flattened trailing
-// elements; one row of the view per row of the box).
-struct SaveItem {
-  std::string key;
-  DType dtype = DType::f32;
-  std::vector<std::int64_t> global_shape;
-  Box box;
-  bool writes = true;  // false for a TP replica of a replicated weight: TP rank 0 writes it
-  TensorView data;
-};
-
-// A state dict after save preprocessing: views and metadata, no tensor data of its own. A
-// padding-only rank contributes no item for a parameter: nothing of it reaches the file.
-struct SavePlan {
-  std::vector<SaveItem> items;
-  std::vector<ParamRecord> params;
-  Values common;
-};
-
-// Expands factories into pieces (views of the shard's rows) and checks every shard's shape; throws
-// Errc::shape_mismatch or dtype_mismatch naming the key, the rank coordinates and the rows.
-SavePlan prepare_save(const StateDict& state);
-// The claims of one rank, for validate_claims.
-std::vector<Claim> claims_of(const SavePlan& plan, int rank);
-// Writes this rank's items, in order, into a skeleton whose datasets are `datasets`. Items in device
-// memory go through `staging`: while one buffer's rows are written, the engine copies the next.
-void write_items(const SavePlan& plan, std::span<const Dataset> datasets, PieceWriter& writer,
-                 const StagingPool* staging = nullptr);
-
-// A load returns Values (shardckpt.core): the checkpoint's common values and the request's local values.
-
 // A loaded state: tensors this rank owns now (host memory), and values.
 class LoadedState {
  public:
@@ -156,86 +117,5 @@ class LoadedState {
   std::map<std::string, SharedBuffer, std::less<>> tensors_;
   Values values_;
 };
-
-struct LoadOptions {
-  IoMethod method = IoMethod::raw;
-  // Check every byte read against the checksum saved with it: a mismatch is Errc::corrupt naming
-  // the file, the key and the rows. Off only to read a damaged checkpoint on purpose.
-  bool verify_checksums = true;
-  // Told once per load when the checkpoint predates checksums (format version 1), so its bytes
-  // cannot be checked. Unset: one line on standard error (rank 0 only, in a collective load).
-  std::function<void(std::string_view)> notice = {};
-  // When set, the checkpoint must carry this id (CheckpointContents::id): a checkpoint that another
-  // save replaced since the caller looked at it is Errc::replaced, not a silent switch.
-  std::string expect_id = {};
-  // Told, on the rank that reads them, how many more bytes were read (progress reports).
-  BytesDone progress = {};
-  // Pinned buffers through which destinations in device memory are filled (required for them).
-  const StagingPool* staging = nullptr;
-  // Each data-parallel copy of a shard reads only its share of the rows; the others arrive through
-  // the replicas' process group (dist's load sets this when it has one).
-  bool read_own_share = false;
-  // Read tensor data around the page cache (O_DIRECT, where the file system allows it): the file's
-  // pages do not crowd the page cache, and on disks where scattered reads through the page cache are
-  // slow, ranks get more of the disk. On this project's machine it measured the same as reading
-  // through the page cache (docs/performance.md).
-  bool bypass_page_cache = false;
-};
-
-// Fills the tensors of `state` where they are (host or device memory): each piece straight into its
-// destination rows, pad rows zeroed in place, a padding-only rank's shard zero-filled. Allocates
-// nothing proportional to the model. Returns the common and local values. Throws
-// Errc::missing_key, shape_mismatch, dtype_mismatch, not_a_checkpoint or corrupt.
-Values load_into(const CheckpointReader& reader, const StateDict& state, LoadOptions options = {});
-Values load_into(const std::filesystem::path& path, const StateDict& state, LoadOptions options = {});
-// Loads this rank's part of a global checkpoint at the request's layout (any TP, GTP, alignment)
-// into host memory it allocates (what load_into then fills). A tensor asked for whole (a
-// ShardedTensor at its global shape, a parameter at GTP 1 that TP does not split) is counted as a
-// materialization.
-LoadedState load(const std::filesystem::path& path, const StateDict& request, LoadOptions options = {});
-LoadedState load(const CheckpointReader& reader, const StateDict& request, LoadOptions options = {});
-// Tells LoadOptions::notice (or standard error) that the checkpoint's bytes or metadata are read
-// unchecked, if they are.
-void notice_unchecked(const CheckpointReader& reader, const LoadOptions& options);
-
-// The rows the data-parallel copies of one shard hand each other after a load that split its reads
-// (LoadOptions::read_own_share): `rows` holds data, replica i read counts[i] of them, in order.
-struct ReplicaRows {
-  MutTensorView rows;
-  std::vector<std::int64_t> counts;
-};
-std::vector<ReplicaRows> replica_rows(const StateDict& state);
-
-// The request's host-memory twin: the same entries with destinations that load() allocates.
-struct Allocated {
-  StateDict state;
-  std::map<std::string, SharedBuffer, std::less<>> buffers;
-};
-Allocated allocate_destinations(const StateDict& request);
-
-// Where one rank sits in the layout a tool loads a checkpoint at.
-struct LoadLayout {
-  std::int64_t tp = 1;
-  std::int64_t gtp = 1;
-  std::int64_t align = 0;
-  ShardCoord coord;
-  int replica_id = 0;
-  int replicas = 1;
-  // Optimizer state (keys optimizer.state.*) in each DP rank's flat range (distributed_range), as a
-  // distributed optimizer holds it.
-  bool distributed_optimizer = false;
-};
-// The load request of one rank for every tensor of a global checkpoint, from the checkpoint's own
-// records: each parameter record planned at the layout's TP, GTP and alignment; every dataset no
-// record names as one plain parameter replicated on every TP rank. What a tool that knows no model
-// (shardckpt load, reshard) asks for.
-StateDict request_all(const CheckpointReader& reader, const LoadLayout& layout);
-
-// The per-rank path: a rank saves its own preprocessed state (its pieces at their local shapes) to
-// its own file, and loads it back at the same layout. A padding-only rank's parameters are not in
-// the file: the load rebuilds their placeholders from the request.
-void save_local(const StateDict& state, const std::filesystem::path& path, IoMethod method = IoMethod::raw);
-LoadedState load_local(const std::filesystem::path& path, const StateDict& request, LoadOptions options = {});
-Values load_local_into(const std::filesystem::path& path, const StateDict& state, LoadOptions options = {});
 
 }  // namespace shardckpt

@@ -1,0 +1,332 @@
+module;
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <variant>
+#include <vector>
+module shardckpt.merge;
+import shardckpt.core;
+import shardckpt.layout;
+import shardckpt.views;
+import shardckpt.engine;
+import shardckpt.state;
+import shardckpt.storage;
+import :pieces;
+
+namespace shardckpt {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Where the slabs of a load come from, and how their bytes reach their destination: straight into
+// host memory, or into device memory through the pool's pinned buffers (while the engine copies
+// one buffer to the device, the next is read into another).
+class Source {
+ public:
+  Source(const CheckpointReader& reader, bool local, const LoadOptions& options)
+      : reader_(reader),
+        local_(local),
+        read_{options.method, options.verify_checksums, options.progress, options.bypass_page_cache} {
+    if (options.staging) arena_.emplace(*options.staging);
+    if (local)
+      for (const Dataset& d : reader.datasets())
+        if (d.placement) by_box_.emplace(place(d.placement->key, d.placement->box), &d);
+  }
+  Source(const Source&) = delete;
+  Source& operator=(const Source&) = delete;
+  // The engine may still be copying out of the pool into destinations: wait, whatever happened.
+  ~Source() {
+    try {
+      finish();
+    } catch (const Error&) {
+    }
+  }
+
+  // Reads `box` of the dataset `key` (global shape `global_shape`) into `dst`.
+  void read(const std::string& key, DType dtype, std::span<const std::int64_t> global_shape, const Box& box,
+            MutTensorView dst, std::string_view who) {
+    if (box.empty()) return;
+    const Dataset* d = nullptr;
+    Box from = box;
+    if (!local_) {
+      d = &reader_.dataset(key);
+      check_dataset(*d, dtype, global_shape, who);
+    } else {
+      const auto it = by_box_.find(place(key, box));
+      require(it != by_box_.end(), Errc::missing_key, "key ", key, ": the local checkpoint ", reader_.path().string(),
+              " holds no piece at rows [", box.rows.begin, ", ", box.rows.end, ") and elements [", box.cols.begin, ", ",
+              box.cols.end, "): it was saved at another layout (", who, ")");
+      d = it->second;
+      require(d->dtype == dtype && d->placement->global_shape == std::vector(global_shape.begin(), global_shape.end()),
+              Errc::shape_mismatch, "key ", key, ": the local piece's dtype or global shape differ from ", who, "'s");
+      from = whole_box(d->shape);
+    }
+    if (dst.space().host_accessible()) {
+      reader_.read(*d, from, dst, read_);
+      return;
+    }
+    require(arena_.has_value(), Errc::invalid_argument, who, ": loading into ", memory_space_text(dst.space()),
+            " memory needs LoadOptions::staging (a pool of pinned buffers of its CopyEngine)");
+    for (std::int64_t r0 = 0; r0 < dst.rows();) {
+      const MutTensorView staged = arena_->take(dst, dst.rows() - r0, [](int) {});
+      const std::int64_t n = staged.rows();
+      reader_.read(*d, {{from.rows.begin + r0, from.rows.begin + r0 + n}, from.cols}, staged, read_);
+      arena_->engine().copy_to_device(staged, dst.slice_rows(r0, r0 + n));
+      r0 += n;
+    }
+  }
+
+  void zero(MutTensorView dst) {
+    if (dst.empty()) return;
+    if (dst.space().host_accessible()) {
+      std::memset(dst.data(), 0, dst.bytes());
+      return;
+    }
+    require(arena_.has_value(), Errc::invalid_argument, "zeroing ", memory_space_text(dst.space()),
+            " memory needs LoadOptions::staging");
+    arena_->engine().zero(dst);
+  }
+
+  // Every copy to a device and every zero fill has landed (a load may have issued zero fills only).
+  void finish() {
+    if (!arena_) return;
+    arena_->drain([](int) {});
+    arena_->engine().wait(arena_->engine().fence());
+  }
+
+  bool local() const noexcept { return local_; }
+
+ private:
+  static std::string place(std::string_view key, const Box& b) {
+    return cat(key, " ", b.rows.begin, " ", b.rows.end, " ", b.cols.begin, " ", b.cols.end);
+  }
+
+  const CheckpointReader& reader_;
+  bool local_;
+  ReadOptions read_;
+  std::optional<Arena> arena_;
+  std::map<std::string, const Dataset*, std::less<>> by_box_;  // local pieces by key and box
+};
+
+// A tree of a load before the factory merges: each key's loaded shard (its destination, filled),
+// a placeholder (a padding-only rank's parameter, from the request), or a value.
+struct Placeholder {
+  Extents shape;  // zero rows, the parameter's trailing dims
+};
+using Slot = std::variant<MutTensorView, Placeholder, CommonValue>;
+using Tree = std::map<std::string, Slot, std::less<>>;
+
+void load_tensors(Source& src, const StateDict& state, const LoadOptions& options, Tree& tree) {
+  for (const ShardedTensor& t : state.tensors()) {
+    const std::string who = cat("tensor ", t.key);
+    const MutTensorView dst = destination(t.data, t.dtype, t.shape, who);
+    const Box box = footprint(t.key, t.global_shape, t.global_offset, t.shape.dims());
+    const Range mine = own_rows(t.shape.rows(), t.replica_id, t.replicas, options.read_own_share && !src.local());
+    src.read(t.key, t.dtype, t.global_shape, {{box.rows.begin + mine.begin, box.rows.begin + mine.end}, box.cols},
+             dst.slice_rows(mine.begin, mine.end), who);
+    tree.emplace(t.key, dst);
+  }
+}
+
+// Loads every sharded parameter into its destination: pieces read into their rows, pad rows zeroed.
+// A padding-only rank reads nothing (its placeholder comes from the request, as a local value).
+void load_params(Source& src, const StateDict& state, const LoadOptions& options, Tree& tree) {
+  for (const ShardedParam& p : state.params()) {
+    const RankPlan plan = plan_rank(p.spec, p.gtp, p.align, p.coord);
+    if (plan.padding_only) continue;
+    const MutTensorView dst = destination(p.shard, p.dtype, p.shard_shape(), p.describe());
+    const std::int64_t c = plan.row_elems;
+    if (p.flat) {
+      for (const Piece& piece : plan.pieces)
+        for (const FlatPart& part : flat_parts(piece, c, {p.flat->begin, p.flat->end}))
+          src.read(piece.key, p.dtype, piece.global_shape, part.box,
+                   reshaped(dst, part.range_offset, part.box.rows.size(), part.box.cols.size()), p.describe());
+      // The range's elements in pad rows.
+      const std::int64_t real_end = std::clamp(plan.real_rows * c, p.flat->begin, p.flat->end);
+      src.zero(reshaped(dst, real_end - p.flat->begin, 1, p.flat->end - real_end));
+      tree.emplace(p.spec.key, dst);
+      continue;
+    }
+    const Range mine = own_rows(plan.real_rows, p.replica_id, p.replicas, options.read_own_share && !src.local());
+    for (const Piece& piece : plan.pieces) {
+      const Range rows = Range{piece.shard_row, piece.shard_row + piece.rows}.intersect(mine);
+      if (rows.empty()) continue;
+      const Box box = footprint(piece.key, piece.global_shape, piece.global_offset, piece.count);
+      const std::int64_t first = box.rows.begin + rows.begin - piece.shard_row;
+      src.read(piece.key, p.dtype, piece.global_shape, {{first, first + rows.size()}, box.cols},
+               dst.slice_rows(rows.begin, rows.end), p.describe());
+    }
+    src.zero(dst.slice_rows(plan.real_rows, dst.rows()));
+    tree.emplace(p.spec.key, dst);
+  }
+}
+
+// The local (non-persistent) values of a load: the request's own, and for every parameter of which
+// this rank holds only pad rows, the zero-row placeholder that keeps its key, dtype and trailing
+// shape. Neither comes from the file.
+void add_local_values(const StateDict& state, Tree& tree) {
+  for (const auto& [key, value] : state.local()) tree.insert_or_assign(key, value);
+  for (const ShardedParam& p : state.params())
+    if (plan_rank(p.spec, p.gtp, p.align, p.coord).padding_only)
+      tree.insert_or_assign(p.spec.key, Placeholder{p.padded_shape().with_rows(0)});
+}
+
+// Factory merges, applied to the complete tree: a padding-only rank's placeholder becomes its
+// all-zero shard (in its destination); a loaded shard is checked against the factory's shape. A
+// factory whose key is missing from the tree means the loaded keys differ from the requested ones.
+void merge_factories(Source& src, const StateDict& state, Tree& tree) {
+  for (const ShardedParam& p : state.params()) {
+    const auto it = tree.find(p.spec.key);
+    require(it != tree.end() && !std::holds_alternative<CommonValue>(it->second), Errc::missing_key, p.describe(),
+            ": nothing was loaded under its key, so the loaded keys differ from the requested ones");
+    if (const auto* placeholder = std::get_if<Placeholder>(&it->second)) {
+      require(placeholder->shape == p.padded_shape().with_rows(0), Errc::shape_mismatch, p.describe(),
+              ": its placeholder does not have the factory's trailing shape");
+      const MutTensorView dst = destination(p.shard, p.dtype, p.shard_shape(), p.describe());
+      src.zero(dst);
+      it->second = dst;
+    }
+    const MutTensorView& shard = std::get<MutTensorView>(it->second);
+    require(shard.shape() == p.shard_shape() && shard.dtype() == p.dtype, Errc::shape_mismatch, p.describe(),
+            ": the loaded shard does not have the factory's shape ", dims_text(p.shard_shape().dims()));
+  }
+}
+
+
+SavePlan plan_save(const StateDict& state, bool share_replicas);
+
+}  // namespace
+
+Values load_with(const CheckpointReader& reader, const StateDict& state, const LoadOptions& options,
+                 CheckpointKind kind) {
+  require(options.expect_id.empty() || reader.contents().id == options.expect_id, Errc::replaced,
+          reader.path().string(), " holds checkpoint ", reader.contents().id, ", not ", options.expect_id,
+          ": it was replaced since it was opened");
+  require(reader.contents().kind == kind, Errc::not_a_checkpoint, reader.path().string(), " is a ",
+          reader.contents().kind == CheckpointKind::local ? "local (per-rank)" : "global", " checkpoint; use ",
+          reader.contents().kind == CheckpointKind::local ? "load_local" : "load");
+  Source src(reader, kind == CheckpointKind::local, options);
+  Tree tree;
+  load_tensors(src, state, options, tree);
+  load_params(src, state, options, tree);
+  // The complete tree first (shards, common values, local values), then the factory merges.
+  for (const auto& [key, value] : reader.contents().common) tree.emplace(key, value);
+  add_local_values(state, tree);
+  merge_factories(src, state, tree);
+  src.finish();
+  Values values;
+  for (auto& [key, slot] : tree)
+    if (auto* v = std::get_if<CommonValue>(&slot)) values.emplace(key, std::move(*v));
+  return values;
+}
+
+void notice_unchecked(const CheckpointReader& reader, const LoadOptions& options) {
+  std::string line;
+  if (reader.version() < 2)
+    line = cat(reader.path().string(), " was written before checksums existed (format version ", reader.version(),
+               "): its bytes are loaded unchecked");
+  else if (options.verify_checksums && !reader.checksummed())
+    line = cat(reader.path().string(), " was saved without checksums: its bytes are loaded unchecked");
+  else if (!reader.seal())
+    line = cat(reader.path().string(), " has no seal (another tool changed it after the save): its HDF5 metadata is ",
+               "read unchecked");
+  if (line.empty()) return;
+  if (options.notice)
+    options.notice(line);
+  else
+    std::cerr << "shardckpt: notice: " << line << "\n";
+}
+
+Values load_into(const CheckpointReader& reader, const StateDict& state, LoadOptions options) {
+  return load_with(reader, state, options, CheckpointKind::global);
+}
+
+Values load_into(const fs::path& path, const StateDict& state, LoadOptions options) {
+  const CheckpointReader reader(path);
+  notice_unchecked(reader, options);
+  return load_with(reader, state, options, CheckpointKind::global);
+}
+
+// The host memory the destinations of `request` take, checked against what this process can have
+// before any of it is allocated.
+void require_memory_for(const StateDict& request) {
+  std::uint64_t bytes = 0;
+  const auto add = [&](const Extents& shape, DType dtype, std::string_view key) {
+    bytes = static_cast<std::uint64_t>(checked_add(
+        static_cast<std::int64_t>(bytes),
+        checked_mul(shape.elements(), element_bytes(dtype), cat("the bytes of ", key)),
+        "the bytes of a load"));
+  };
+  for (const ShardedTensor& t : request.tensors()) add(t.shape, t.dtype, t.key);
+  for (const ShardedParam& p : request.params()) add(p.shard_shape(), p.dtype, p.spec.key);
+  require_host_memory(bytes, "loading this rank's tensors");
+}
+
+Allocated allocate_destinations(const StateDict& request) {
+  require_memory_for(request);
+  Allocated out;
+  for (ShardedTensor t : request.tensors()) {
+    if (t.shape.dims().size() == t.global_shape.size() &&
+        std::equal(t.global_shape.begin(), t.global_shape.end(), t.shape.dims().begin()))
+      count_materialization(cat("loading the whole tensor ", t.key),
+                            static_cast<std::size_t>(t.shape.elements()) * dtype_size(t.dtype));
+    SharedBuffer b = SharedBuffer::uninitialized(t.dtype, t.shape);
+    t.data = b;
+    out.buffers.emplace(t.key, std::move(b));
+    out.state.add(std::move(t));
+  }
+  for (ShardedParam p : request.params()) {
+    // One GTP rank holding a parameter that TP does not split (TP 1, or replicated) holds it whole.
+    if (!p.flat && p.gtp == 1 && (p.spec.tp == 1 || p.spec.tp_axis == TpAxis::replicated))
+      count_materialization(cat("loading the whole parameter ", p.spec.key),
+                            static_cast<std::size_t>(p.shard_shape().elements()) * dtype_size(p.dtype));
+    SharedBuffer b = SharedBuffer::uninitialized(p.dtype, p.shard_shape());
+    p.shard = b;
+    out.buffers.emplace(p.spec.key, std::move(b));
+    out.state.add(std::move(p));
+  }
+  for (const auto& [key, value] : request.local()) out.state.add_local(key, value);
+  return out;
+}
+
+LoadedState load(const CheckpointReader& reader, const StateDict& request, LoadOptions options) {
+  Allocated a = allocate_destinations(request);
+  Values values = load_into(reader, a.state, options);
+  return LoadedState(std::move(a.buffers), std::move(values));
+}
+
+LoadedState load(const fs::path& path, const StateDict& request, LoadOptions options) {
+  const CheckpointReader reader(path);
+  notice_unchecked(reader, options);
+  return load(reader, request, options);
+}
+
+std::vector<ReplicaRows> replica_rows(const StateDict& state) {
+  std::vector<ReplicaRows> out;
+  const auto counts = [](std::int64_t rows, int replicas) {
+    std::vector<std::int64_t> c;
+    for (int i = 0; i < replicas; ++i) c.push_back(balanced_share(rows, replicas, i).size());
+    return c;
+  };
+  for (const ShardedTensor& t : state.tensors())
+    if (t.replicas > 1) out.push_back({t.data.mut_view(), counts(t.shape.rows(), t.replicas)});
+  for (const ShardedParam& p : state.params()) {
+    if (p.replicas <= 1 || p.flat) continue;
+    const RankPlan plan = plan_rank(p.spec, p.gtp, p.align, p.coord);
+    if (!plan.padding_only)
+      out.push_back({p.shard.mut_view().slice_rows(0, plan.real_rows), counts(plan.real_rows, p.replicas)});
+  }
+  return out;
+}
+
+}  // namespace shardckpt

@@ -1,0 +1,113 @@
+// shardckpt.merge:pieces (implementation partition): what the save and the load of a state dict
+// share: views of parts of a shard, the rows one data-parallel copy handles, checks of datasets and
+// destinations, and the staging arena through which device rows go to and from files.
+module;
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+module shardckpt.merge:pieces;
+import shardckpt.core;
+import shardckpt.layout;
+import shardckpt.views;
+import shardckpt.engine;
+import shardckpt.state;
+import shardckpt.storage;
+
+namespace shardckpt {
+
+// Elements [offset, offset + rows * cols) of a 1-D view, seen as `rows` rows of `cols`.
+template <bool Mutable>
+inline BasicView<Mutable> reshaped(BasicView<Mutable> flat, std::int64_t offset, std::int64_t rows, std::int64_t cols) {
+  require(offset >= 0 && rows * cols <= flat.shape().elements() - offset, Errc::internal, "a flat part past its range");
+  return BasicView<Mutable>::borrow(flat.data() + offset * element_bytes(flat.dtype()), flat.dtype(), {rows, cols},
+                                    flat.space());
+}
+
+// Rows [begin, end) of a shard's real rows that this copy reads (all, unless it shares).
+inline Range own_rows(std::int64_t rows, int replica_id, int replicas, bool share) {
+  return share && replicas > 1 ? balanced_share(rows, replicas, replica_id) : Range{0, rows};
+}
+
+// Checks that the checkpoint's dataset can serve a slab of `dtype` at `global_shape`.
+inline void check_dataset(const Dataset& d, DType dtype, std::span<const std::int64_t> global_shape,
+                   std::string_view who) {
+  require(d.dtype == dtype, Errc::dtype_mismatch, "key ", d.key, ": the checkpoint holds ", dtype_name(d.dtype),
+          " but ", who, " asks for ", dtype_name(dtype));
+  require(std::equal(d.shape.begin(), d.shape.end(), global_shape.begin(), global_shape.end()), Errc::shape_mismatch,
+          "key ", d.key, ": the checkpoint holds global shape ", dims_text(d.shape), " but ", who, " expects ",
+          dims_text(global_shape));
+}
+
+// The destination of an entry must be there, of its dtype and shape, and writable.
+inline MutTensorView destination(const TensorRef& ref, DType dtype, const Extents& shape, std::string_view who) {
+  require(static_cast<bool>(ref), Errc::invalid_argument, who, ": the request has no destination to load into");
+  require(ref.dtype() == dtype && ref.shape() == shape, Errc::shape_mismatch, who, ": the destination is ",
+          dtype_name(ref.dtype()), " ", dims_text(ref.shape().dims()), ", not ", dtype_name(dtype), " ",
+          dims_text(shape.dims()));
+  return ref.mut_view();
+}
+
+// The pool's buffers, used in turn as arenas: the rows of many pieces packed into one buffer, one
+// fence per buffer. Before a buffer is reused, the engine has finished the work enqueued while it
+// was current (and `before_reuse` has dealt with its rows), so copying into or out of one buffer
+// overlaps with reading or writing another.
+class Arena {
+ public:
+  explicit Arena(const StagingPool& pool) : pool_(pool), fences_(static_cast<std::size_t>(pool.buffers())) {}
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+
+  CopyEngine& engine() const { return pool_.engine(); }
+  int current() const noexcept { return current_; }
+
+  // Room for up to `rows` rows shaped like `like`: as many as fit in the current buffer, or, when not
+  // one more fits, in the next one.
+  template <class BeforeReuse>
+  MutTensorView take(TensorView like, std::int64_t rows, BeforeReuse&& before_reuse) {
+    const std::size_t row = std::max<std::size_t>(like.row_bytes(), 1);
+    (void)pool_.rows_per_buffer(like);  // a row larger than a buffer is an error
+    if (aligned(used_) + row > pool_.buffer_bytes()) {
+      fences_[static_cast<std::size_t>(current_)] = engine().fence();
+      current_ = (current_ + 1) % pool_.buffers();
+      retire(current_, before_reuse);
+      used_ = 0;
+    }
+    const std::size_t at = aligned(used_);
+    const auto fit = std::min<std::int64_t>(rows, static_cast<std::int64_t>((pool_.buffer_bytes() - at) / row));
+    used_ = at + static_cast<std::size_t>(fit) * row;
+    return MutTensorView::borrow(pool_.buffer(current_).data() + at, like.dtype(), like.shape().with_rows(fit),
+                                 MemorySpace::pinned());
+  }
+
+  // Waits for every buffer's work, oldest first, calling before_reuse on each that was used.
+  template <class BeforeReuse>
+  void drain(BeforeReuse&& before_reuse) {
+    if (used_ > 0) fences_[static_cast<std::size_t>(current_)] = engine().fence();
+    for (int i = 1; i <= pool_.buffers(); ++i) retire((current_ + i) % pool_.buffers(), before_reuse);
+    used_ = 0;
+  }
+
+ private:
+  // Pieces start at multiples of 4 KiB: reads around the page cache land straight in them.
+  static std::size_t aligned(std::size_t n) { return (n + 4095) / 4096 * 4096; }
+  template <class BeforeReuse>
+  void retire(int buffer, BeforeReuse&& before_reuse) {
+    auto& fence = fences_[static_cast<std::size_t>(buffer)];
+    if (!fence) return;
+    engine().wait(*std::exchange(fence, std::nullopt));
+    before_reuse(buffer);
+  }
+
+  const StagingPool& pool_;
+  std::vector<std::optional<Fence>> fences_;
+  int current_ = 0;
+  std::size_t used_ = 0;
+};
+
+}  // namespace shardckpt

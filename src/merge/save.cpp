@@ -1,0 +1,130 @@
+module;
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <variant>
+#include <vector>
+module shardckpt.merge;
+import shardckpt.core;
+import shardckpt.layout;
+import shardckpt.views;
+import shardckpt.engine;
+import shardckpt.state;
+import shardckpt.storage;
+import :pieces;
+
+namespace shardckpt {
+
+namespace {
+
+void add_tensor_items(const ShardedTensor& t, bool share, SavePlan& out) {
+  require(static_cast<bool>(t.data), Errc::invalid_argument, "tensor ", t.key, ": no data to save");
+  require(t.data.dtype() == t.dtype && t.data.shape() == t.shape, Errc::shape_mismatch, "tensor ", t.key,
+          ": the data does not match the declared dtype and shape");
+  const Box box = footprint(t.key, t.global_shape, t.global_offset, t.shape.dims());
+  const Range mine = own_rows(t.shape.rows(), t.replica_id, t.replicas, share);
+  out.items.push_back({t.key, t.dtype, t.global_shape,
+                       Box{{box.rows.begin + mine.begin, box.rows.begin + mine.end}, box.cols}, true,
+                       t.data.view().slice_rows(mine.begin, mine.end)});
+}
+
+void add_param_items(const ShardedParam& p, bool share, SavePlan& out) {
+  const RankPlan plan = plan_rank(p.spec, p.gtp, p.align, p.coord);
+  require(static_cast<bool>(p.shard), Errc::invalid_argument, p.describe(), ": no shard to save");
+  const TensorView shard = p.shard.view();
+  require(shard.dtype() == p.dtype, Errc::dtype_mismatch, p.describe(), ": the shard is ", dtype_name(shard.dtype()),
+          ", declared ", dtype_name(p.dtype));
+  require(shard.shape() == p.shard_shape(), Errc::shape_mismatch, p.describe(), ": the shard has shape ",
+          dims_text(shard.shape().dims()), " but ", p.spec.rows(), " rows over ", p.gtp, " GTP ranks at alignment ",
+          p.align, p.flat ? cat(" and flat range [", p.flat->begin, ", ", p.flat->end, ")") : std::string(),
+          " give shards of shape ", dims_text(p.shard_shape().dims()));
+  out.params.push_back(record_of(p.spec));
+  if (p.flat) {
+    for (const Piece& piece : plan.pieces)
+      for (const FlatPart& part : flat_parts(piece, plan.row_elems, {p.flat->begin, p.flat->end}))
+        out.items.push_back({piece.key, p.dtype, piece.global_shape, part.box, plan.main_replica,
+                             reshaped(shard, part.range_offset, part.box.rows.size(), part.box.cols.size())});
+    return;
+  }
+  const Range mine = own_rows(plan.real_rows, p.replica_id, p.replicas, share);
+  for (const Piece& piece : plan.pieces) {
+    const Range rows = Range{piece.shard_row, piece.shard_row + piece.rows}.intersect(mine);
+    if (rows.empty()) continue;
+    const Box box = footprint(piece.key, piece.global_shape, piece.global_offset, piece.count);
+    const std::int64_t first = box.rows.begin + rows.begin - piece.shard_row;
+    out.items.push_back({piece.key, p.dtype, piece.global_shape, Box{{first, first + rows.size()}, box.cols},
+                         plan.main_replica, shard.slice_rows(rows.begin, rows.end)});
+  }
+}
+
+
+}  // namespace
+
+SavePlan plan_save(const StateDict& state, bool share_replicas) {
+  SavePlan out;
+  for (const ShardedTensor& t : state.tensors()) add_tensor_items(t, share_replicas, out);
+  for (const ShardedParam& p : state.params()) add_param_items(p, share_replicas, out);
+  out.common = state.common();
+  return out;
+}
+
+SavePlan prepare_save(const StateDict& state) { return plan_save(state, true); }
+
+std::vector<Claim> claims_of(const SavePlan& plan, int rank) {
+  std::vector<Claim> out;
+  out.reserve(plan.items.size());
+  for (const SaveItem& i : plan.items) out.push_back({i.key, i.dtype, i.global_shape, i.box, rank, i.writes});
+  return out;
+}
+
+void write_items(const SavePlan& plan, std::span<const Dataset> datasets, PieceWriter& writer,
+                 const StagingPool* staging) {
+  std::map<std::string_view, const Dataset*> by_key;
+  for (const Dataset& d : datasets) by_key.emplace(d.key, &d);
+  // Rows of device items staged in the pool, per buffer, in write order: a buffer's rows are written
+  // once the engine has copied them, while it copies into the next buffer.
+  struct Staged {
+    const Dataset* dataset;
+    Box box;
+    MutTensorView rows;
+  };
+  std::optional<Arena> arena;
+  std::vector<std::vector<Staged>> staged(staging ? static_cast<std::size_t>(staging->buffers()) : 0);
+  const auto write_buffer = [&](int b) {
+    for (const Staged& s : staged[static_cast<std::size_t>(b)]) writer.write(*s.dataset, s.box, s.rows);
+    staged[static_cast<std::size_t>(b)].clear();
+  };
+  for (const SaveItem& i : plan.items) {
+    if (!i.writes) continue;
+    const auto it = by_key.find(i.key);
+    require(it != by_key.end(), Errc::missing_key, "key ", i.key, " has no dataset in the checkpoint being written");
+    if (i.data.space().host_accessible()) {
+      if (arena) arena->drain(write_buffer);  // the file gets the items in order
+      writer.write(*it->second, i.box, i.data);
+      continue;
+    }
+    require(staging != nullptr, Errc::invalid_argument, "key ", i.key, ": saving ", memory_space_text(i.data.space()),
+            " memory needs a Saver with a CopyEngine (its pool of pinned buffers)");
+    if (!arena) arena.emplace(*staging);
+    for (std::int64_t r0 = 0; r0 < i.data.rows();) {
+      const MutTensorView rows = arena->take(i.data, i.data.rows() - r0, write_buffer);
+      arena->engine().copy_to_host(i.data.slice_rows(r0, r0 + rows.rows()), rows);
+      staged[static_cast<std::size_t>(arena->current())].push_back(
+          {it->second, {{i.box.rows.begin + r0, i.box.rows.begin + r0 + rows.rows()}, i.box.cols}, rows});
+      r0 += rows.rows();
+    }
+  }
+  if (arena) arena->drain(write_buffer);
+}
+
+}  // namespace shardckpt
