@@ -1,0 +1,145 @@
+module;
+#include <algorithm>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <variant>
+#include <vector>
+module shardckpt.dist;
+import shardckpt.core;
+import shardckpt.layout;
+import shardckpt.views;
+import shardckpt.engine;
+import shardckpt.storage;
+import shardckpt.state;
+import shardckpt.merge;
+import :wire;
+import :protocol;
+
+namespace shardckpt {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Opens the checkpoint at `path` on every rank. Rank 0 checks the whole seal of the file's
+// metadata; the others then only that their file has the seal rank 0 checked, so that the whole
+// metadata is read once, not once per rank. Ranks that are threads of one process share rank 0's
+// reader: one open file, one HDF5 file and its caches, one copy of each slab table, for all of them.
+std::shared_ptr<const CheckpointReader> open_agreed(const fs::path& path, ProcessGroup& group) {
+  std::shared_ptr<const CheckpointReader> reader;
+  const bool share = group.threads_of_one_process();
+  const Bytes sealed = decide_at_root(
+      group, cat("opening ", path.string()),
+      [&] {
+        if (group.rank() == 0) reader = std::make_shared<const CheckpointReader>(path);
+        return Bytes();
+      },
+      [&](const std::vector<std::span<const std::byte>>&) {
+        Writer w;
+        w.i64(static_cast<std::int64_t>(reader->seal().value_or(0)));
+        w.i64(static_cast<std::int64_t>(reinterpret_cast<std::uintptr_t>(&reader)));
+        return w.take();
+      });
+  Reader r(sealed);
+  const auto seal = static_cast<std::uint64_t>(r.i64());
+  const auto* root = reinterpret_cast<const std::shared_ptr<const CheckpointReader>*>(static_cast<std::uintptr_t>(r.i64()));
+  agree(group, cat("opening ", path.string()), [&] {
+    if (group.rank() == 0) return;
+    // Rank 0's `reader` lives until this phase has ended on every rank.
+    reader = share ? *root : std::make_shared<const CheckpointReader>(path, OpenOptions{.trusted_seal = seal});
+  });
+  return reader;
+}
+
+// Every rank opened the checkpoint on its own (or was given one reader): they must all have opened
+// the same one, in content as well as in name.
+void agree_on_checkpoint(const CheckpointReader& reader, ProcessGroup& group) {
+  const std::uint64_t mine = reader.fingerprint();
+  const std::vector<Bytes> all = Protocol::all_gather(group, std::as_bytes(std::span(&mine, 1)));
+  for (std::size_t r = 0; r < all.size(); ++r) {
+    std::uint64_t theirs = 0;
+    if (all[r].size() == sizeof theirs) std::memcpy(&theirs, all[r].data(), sizeof theirs);
+    require(theirs == mine, Errc::replaced, "loading ", reader.path().string(), ": rank ", group.rank(),
+            " opened checkpoint ", reader.contents().id, " but rank ", r,
+            " opened another one (the path was replaced while the ranks opened it, or another tool changed a copy)");
+  }
+}
+
+// Whether the data-parallel copies of this rank's shards can share their reads: the group must be
+// able to move every destination's memory, on every copy.
+bool can_share(ProcessGroup& replicas, const std::vector<ReplicaRows>& rows) {
+  const bool mine = std::all_of(rows.begin(), rows.end(), [&](const ReplicaRows& r) { return replicas.moves(r.rows.space()); });
+  const std::byte flag{static_cast<unsigned char>(mine)};
+  const auto all = Protocol::all_gather(replicas, std::span(&flag, 1));
+  return std::all_of(all.begin(), all.end(), [](const Bytes& b) { return b.size() == 1 && b[0] == std::byte{1}; });
+}
+
+// Every shard with copies must be copy replica_id of `replicas.size()`, and replica_id must be
+// this rank's place in the group that hands the rows around.
+void check_replicas(const StateDict& state, const ProcessGroup& replicas) {
+  const auto check = [&](std::string_view key, int id, int count) {
+    require(count == 1 || (count == replicas.size() && id == replicas.rank()), Errc::invalid_argument, "key ", key,
+            ": replica ", id, " of ", count, " loads through a replica group in which this rank is ", replicas.rank(),
+            " of ", replicas.size());
+  };
+  for (const ShardedTensor& t : state.tensors()) check(t.key, t.replica_id, t.replicas);
+  for (const ShardedParam& p : state.params()) check(p.spec.key, p.replica_id, p.replicas);
+}
+
+}  // namespace
+
+Values load_into(const CheckpointReader& reader, const StateDict& state, ProcessGroup& group, LoadOptions options,
+                 ProcessGroup* replicas) {
+  agree(group, cat("loading ", reader.path().string()), [&] { agree_on_checkpoint(reader, group); });
+  if (group.rank() == 0) notice_unchecked(reader, options);
+  const std::vector<ReplicaRows> shared = replica_rows(state);
+  options.read_own_share = replicas != nullptr && replicas->size() > 1 && !shared.empty() && can_share(*replicas, shared);
+  std::optional<Values> out;
+  agree(group, cat("loading ", reader.path().string()), [&] {
+    if (options.read_own_share) check_replicas(state, *replicas);
+    out.emplace(load_into(reader, state, options));
+  });
+  // Each copy read its share of every shard's rows: now they hand them to each other.
+  if (options.read_own_share)
+    for (const ReplicaRows& r : shared) replicas->all_gather_rows(r.rows, r.counts);
+  return std::move(*out);
+}
+
+Values load_into(const fs::path& path, const StateDict& state, ProcessGroup& group, LoadOptions options,
+                 ProcessGroup* replicas) {
+  const std::shared_ptr<const CheckpointReader> reader = open_agreed(path, group);
+  return load_into(*reader, state, group, std::move(options), replicas);
+}
+
+LoadedState load(const CheckpointReader& reader, const StateDict& request, ProcessGroup& group, LoadOptions options,
+                 ProcessGroup* replicas) {
+  Allocated a = allocate_destinations(request);
+  Values values = load_into(reader, a.state, group, std::move(options), replicas);
+  return LoadedState(std::move(a.buffers), std::move(values));
+}
+
+LoadedState load(const fs::path& path, const StateDict& request, ProcessGroup& group, LoadOptions options,
+                 ProcessGroup* replicas) {
+  Allocated a = allocate_destinations(request);
+  Values values = load_into(path, a.state, group, std::move(options), replicas);
+  return LoadedState(std::move(a.buffers), std::move(values));
+}
+
+}  // namespace shardckpt

@@ -1,0 +1,148 @@
+// shardckpt.dist:protocol (implementation partition): how ranks agree. Every step of a collective
+// operation exchanges every rank's outcome: either every rank gets every payload, or every rank throws
+// the same error (the code of the lowest failing rank, the message of each).
+module;
+#include <algorithm>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <variant>
+#include <vector>
+module shardckpt.dist:protocol;
+import shardckpt.core;
+import :group;
+import :wire;
+
+namespace shardckpt {
+
+// The library's own use of the groups' metadata collectives, which users do not call.
+struct Protocol {
+  static std::vector<std::vector<std::byte>> all_gather(ProcessGroup& g, std::span<const std::byte> mine) {
+    return g.all_gather(mine);
+  }
+  static std::vector<std::vector<std::byte>> gather(ProcessGroup& g, std::span<const std::byte> mine, int root) {
+    return g.gather(mine, root);
+  }
+};
+
+// A step's outcome as sent to other ranks: 1 and the payload, or 0, the error code and the message.
+inline Bytes outcome(const std::function<Bytes()>& step) {
+  const auto failure = [](Errc code, std::string_view what) {
+    Writer w;
+    w.u8(0);
+    w.u8(static_cast<std::uint8_t>(code));
+    w.str(what);
+    return w.take();
+  };
+  try {
+    const Bytes payload = step();
+    Bytes out;  // sized once: a rank's planning payload is gathered at rank 0 with every other's
+    out.reserve(payload.size() + 1);
+    out.push_back(std::byte{1});
+    out.insert(out.end(), payload.begin(), payload.end());
+    return out;
+  } catch (const Error& e) {
+    return failure(e.code(), e.what());
+  } catch (const std::bad_alloc& e) {
+    return failure(Errc::resources, cat("out of memory (", e.what(), ")"));
+  } catch (const std::system_error& e) {
+    return failure(e.code() == std::errc::resource_unavailable_try_again ? Errc::resources : Errc::internal, e.what());
+  } catch (const std::exception& e) {
+    return failure(Errc::internal, e.what());
+  }
+}
+
+// The payload of one outcome, or its error rethrown as it was.
+inline std::span<const std::byte> payload_or_throw(std::span<const std::byte> bytes) {
+  Reader r(bytes);
+  if (r.u8() == 1) return r.rest();
+  const auto code = static_cast<Errc>(r.u8());
+  throw Error(code, r.str());
+}
+
+// Every rank's payload, or one error for all: the code of the lowest failing rank and the message
+// of every failing rank.
+// Ranks that failed with the same message are named together, so that a failure every rank shares
+// reads once.
+inline std::vector<std::span<const std::byte>> payloads_or_throw(std::string_view phase, const std::vector<Bytes>& outcomes) {
+  std::vector<std::span<const std::byte>> payloads;
+  std::optional<Errc> code;
+  std::vector<std::pair<std::string, std::vector<std::size_t>>> failures;  // message, ranks, in rank order
+  for (std::size_t r = 0; r < outcomes.size(); ++r) {
+    try {
+      payloads.push_back(payload_or_throw(outcomes[r]));
+    } catch (const Error& e) {
+      if (!code) code = e.code();
+      const auto same = std::find_if(failures.begin(), failures.end(), [&](const auto& f) { return f.first == e.what(); });
+      if (same == failures.end())
+        failures.emplace_back(e.what(), std::vector<std::size_t>{r});
+      else
+        same->second.push_back(r);
+    }
+  }
+  if (!code) return payloads;
+  std::string text;
+  for (const auto& [message, ranks] : failures) {
+    text += text.empty() ? " failed on rank" : "; and on rank";
+    text += ranks.size() > 1 ? "s " : " ";
+    for (std::size_t i = 0; i < ranks.size(); ++i) text += cat(i ? ", " : "", ranks[i]);
+    text += cat(": ", message);
+  }
+  throw Error(*code, cat(phase, text));
+}
+
+// One phase on all ranks: every rank runs `step`, all exchange outcomes, and either every rank gets
+// every payload or every rank throws the same error.
+inline void agree(ProcessGroup& group, std::string_view phase, const std::function<void()>& step) {
+  (void)payloads_or_throw(phase, Protocol::all_gather(group, outcome([&] {
+    step();
+    return Bytes();
+  })));
+}
+
+// One phase decided by rank 0: every rank runs `step`, rank 0 alone sees all payloads and runs
+// `decide` on them, and every rank gets rank 0's verdict: its payload, or the same error.
+inline Bytes decide_at_root(ProcessGroup& group, std::string_view phase, const std::function<Bytes()>& step,
+                     const std::function<Bytes(const std::vector<std::span<const std::byte>>&)>& decide) {
+  const std::vector<Bytes> gathered = Protocol::gather(group, outcome(step), 0);
+  Bytes verdict;
+  if (group.rank() == 0)
+    verdict = outcome([&] {
+      const auto payloads = payloads_or_throw(phase, gathered);
+      try {
+        return decide(payloads);
+      } catch (Error& e) {
+        throw std::move(e.add_context(cat(phase, " failed on rank 0")));
+      }
+    });
+  const Bytes shared = group.broadcast(verdict, 0);
+  const auto payload = payload_or_throw(shared);
+  return {payload.begin(), payload.end()};
+}
+
+// The outcome of a local check as a message, so that every member can learn every member's verdict.
+inline Bytes checked(const std::function<void()>& check, Bytes payload) {
+  return outcome([&] {
+    check();
+    return payload;
+  });
+}
+
+}  // namespace shardckpt

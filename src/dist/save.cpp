@@ -1,0 +1,279 @@
+module;
+#include <algorithm>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <variant>
+#include <vector>
+module shardckpt.dist;
+import shardckpt.core;
+import shardckpt.layout;
+import shardckpt.views;
+import shardckpt.engine;
+import shardckpt.storage;
+import shardckpt.state;
+import shardckpt.merge;
+import :wire;
+import :protocol;
+
+namespace shardckpt {
+namespace {
+
+namespace fs = std::filesystem;
+
+// The datasets whose first element this rank writes: the one rank that sends a parameter's record
+// is the one that writes the first element of its first block.
+std::set<std::string_view> first_elements(const SavePlan& plan) {
+  std::set<std::string_view> out;
+  for (const SaveItem& i : plan.items)
+    if (i.writes && !i.box.empty() && i.box.rows.begin == 0 && i.box.cols.begin == 0) out.insert(i.key);
+  return out;
+}
+
+// Checksummed rows of a claim: writers checksum every row of their box.
+std::int64_t claim_checksums(const Claim& c) { return c.writes ? checksum_rows_of(c.box) : 0; }
+// Claims rank 0 turns into Claim values at a time. Claims of one key always fall into the same part,
+// so checking the parts one by one checks everything, while the memory for Claim values stays near
+// this many whatever the number of ranks and pieces (the seed's 159k claims would take 42 MiB).
+constexpr std::int64_t claims_per_part = 16 * 1024;
+
+// What rank 0 decides in planning: the datasets to create, and where each rank's checksums start.
+struct Planned {
+  std::vector<Dataset> specs;
+  std::vector<std::int64_t> first_checksums;  // per rank
+  std::int64_t checksum_rows = 0;
+};
+
+// Rank 0's side of planning: validates the claims of all ranks, part by part, lays out the checksum
+// table (each rank's checksums follow the previous rank's, in the order of its claims), and collects
+// the parameter records and rank 0's common values.
+Planned validate_in_parts(const std::vector<std::span<const std::byte>>& payloads, CheckpointContents& contents) {
+  Planned out;
+  std::int64_t claims_total = 0;
+  for (std::span<const std::byte> p : payloads) {
+    Reader r(p);
+    out.first_checksums.push_back(out.checksum_rows);
+    out.checksum_rows = checked_add(out.checksum_rows, r.i64(), "checksum checksum_rows of all ranks");
+    claims_total = checked_add(claims_total, r.i64(), "claims of all ranks");
+  }
+  const auto parts =
+      static_cast<std::size_t>(std::max<std::int64_t>(1, (claims_total + claims_per_part - 1) / claims_per_part));
+  std::map<std::string, ParamRecord, std::less<>> records;
+  for (std::size_t part = 0; part < parts; ++part) {
+    std::vector<Claim> claims;
+    std::vector<std::int64_t> firsts;
+    for (std::size_t rank = 0; rank < payloads.size(); ++rank) {
+      Reader r(payloads[rank]);
+      const std::int64_t checksum_rows = r.i64();
+      std::int64_t running = 0;
+      for (std::int64_t n = r.i64(); n > 0; --n) {
+        Claim c = get_claim(r, static_cast<int>(rank));
+        const std::int64_t u = claim_checksums(c);
+        if (std::hash<std::string>{}(c.key) % parts == part) {
+          firsts.push_back(out.first_checksums[rank] + running);
+          claims.push_back(std::move(c));
+        }
+        running = checked_add(running, u, "checksum checksum_rows of a rank");
+      }
+      require(running == checksum_rows, Errc::internal, "rank ", rank, " announced ", checksum_rows, " checksum checksum_rows but claims ",
+              running);
+      if (part > 0) continue;
+      for (std::int64_t n = r.i64(); n > 0; --n) {
+        ParamRecord rec = get_record(r);
+        records.emplace(rec.key, std::move(rec));
+      }
+      auto common = get_common(r);
+      if (rank == 0) contents.common = std::move(common);
+    }
+    validate_claims(claims);
+    for (Dataset& d : datasets_of(claims, firsts)) out.specs.push_back(std::move(d));
+  }
+  for (auto& [key, rec] : records) contents.params.push_back(std::move(rec));
+  std::sort(out.specs.begin(), out.specs.end(),
+            [](const Dataset& a, const Dataset& b) { return a.key < b.key; });
+  return out;
+}
+
+
+// What a rank sends rank 0 in planning: its number of checksummed rows, its claims, the parameter records whose
+// first element it writes, and (rank 0) the common values.
+Bytes planning_payload(const SavePlan& plan, int me) {
+  const std::vector<Claim> claims = claims_of(plan, me);
+  std::int64_t checksum_rows = 0;
+  for (const Claim& c : claims) checksum_rows = checked_add(checksum_rows, claim_checksums(c), "checksum checksum_rows");
+  Writer w;
+  w.i64(checksum_rows);
+  w.i64(static_cast<std::int64_t>(plan.items.size()));
+  for (const SaveItem& i : plan.items) put_claim(w, i);
+  const std::set<std::string_view> firsts = first_elements(plan);
+  std::vector<const ParamRecord*> owned;
+  for (const ParamRecord& r : plan.params)
+    if (firsts.contains(block_key(r.key, r.blocks.front().name))) owned.push_back(&r);
+  w.i64(static_cast<std::int64_t>(owned.size()));
+  for (const ParamRecord* r : owned) put_record(w, *r);
+  put_common(w, me == 0 ? plan.common : decltype(plan.common){});
+  return w.take();
+}
+
+// Where a save writes. Rank 0 creates the temporary file (and later commits it); every rank learns
+// its directory, its name and its identity, opens it and checks that it opened that very file.
+struct Destination {
+  std::optional<io::TemporaryFile> temp;  // rank 0
+  std::optional<io::File> opened;         // the other ranks
+  fs::path dir;
+  std::string name;
+  io::SharedIdentity identity;
+  std::vector<Range> data;  // rank 0: the skeleton's raw data byte ranges, which the seal leaves out
+
+  io::File& file() { return temp ? temp->file() : *opened; }
+};
+
+// Rank 0's verdict on every rank's plan: validated together, the skeleton created in a fresh
+// temporary file beside the destination (a link at `path` is followed: the checkpoint replaces its
+// target), and for every rank that file, the datasets' extents and where its checksums start.
+Bytes create_checkpoint(const std::vector<std::span<const std::byte>>& payloads, const fs::path& path,
+                        const SaveOptions& options, Destination& dest) {
+  CheckpointContents contents;
+  contents.id = io::random_id();
+  contents.checksummed = options.checksums;
+  Planned planned = validate_in_parts(payloads, contents);
+  if (!options.checksums) planned.checksum_rows = 0;
+  io::Destination where = io::Destination::of(path);
+  dest.dir = where.path.parent_path();
+  dest.temp.emplace(io::TemporaryFile::create(std::move(where)));
+  const Skeleton skeleton = create_skeleton(dest.temp->file(), planned.specs, contents, planned.checksum_rows);
+  dest.data = skeleton.data;
+  Writer w;
+  w.str(dest.dir.string());
+  w.str(dest.temp->name());
+  put_identity(w, dest.temp->identity());
+  w.i64(static_cast<std::int64_t>(skeleton.datasets.size()));
+  for (const Dataset& d : skeleton.datasets) put_dataset(w, d);
+  w.i64(static_cast<std::int64_t>(skeleton.checksums_address));
+  w.dims(options.checksums ? planned.first_checksums : std::vector<std::int64_t>{});
+  return w.take();
+}
+
+// What every rank learns from the verdict: the datasets it writes, and its checksum slot (none
+// without checksums).
+struct Created {
+  std::vector<Dataset> datasets;
+  std::optional<ChecksumSlot> slot;
+};
+
+Created read_verdict(const Bytes& verdict, const SavePlan& plan, int me, int ranks, Destination& dest) {
+  Reader r(verdict);
+  dest.dir = r.str();
+  dest.name = r.str();
+  dest.identity = get_identity(r);
+  // Only the datasets this rank writes: what a rank holds grows with its own pieces, not the model.
+  std::set<std::string_view> mine;
+  for (const SaveItem& i : plan.items)
+    if (i.writes) mine.insert(i.key);
+  Created out;
+  for (std::int64_t n = r.i64(); n > 0; --n) {
+    Dataset d = get_dataset(r);
+    if (mine.contains(d.key)) out.datasets.push_back(std::move(d));
+  }
+  const auto checksums_address = static_cast<std::uint64_t>(r.i64());
+  const std::vector<std::int64_t> first_checksums = r.dims();
+  require(first_checksums.empty() || first_checksums.size() == static_cast<std::size_t>(ranks), Errc::collective,
+          "the planning verdict does not have one checksum start per rank");
+  if (!first_checksums.empty()) out.slot = ChecksumSlot{checksums_address, first_checksums[static_cast<std::size_t>(me)]};
+  return out;
+}
+
+// Every rank writes its own pieces and their checksums: all at once on the direct path; on the
+// hyperslab path one rank at a time, since HDF5 must not have one file open for writing in two
+// processes. Each rank first opens the temporary file rank 0 created and checks that it is that file.
+void write_pieces(ProcessGroup& group, const SavePlan& plan, const Created& created, Destination& dest,
+                  const SaveOptions& options) {
+  agree(group, "opening the temporary file", [&] {
+    if (!dest.temp) dest.opened.emplace(io::TemporaryFile::open_created(dest.dir, dest.name, dest.identity));
+  });
+  const auto write_mine = [&] {
+    PieceWriter writer(dest.file(), options.method, created.slot, options.progress);
+    write_items(plan, created.datasets, writer, options.staging);
+    writer.finish();
+  };
+  if (options.method == IoMethod::raw) return agree(group, "writing pieces", write_mine);
+  for (int turn = 0; turn < group.size(); ++turn)
+    agree(group, "writing pieces", [&] {
+      if (turn == group.rank()) write_mine();
+    });
+}
+
+}  // namespace
+
+// A save of the plan that `make_plan` returns on each rank (called once, in the planning phase, so
+// that its errors are the save's collective errors).
+void save_with(const std::function<SavePlan()>& make_plan, const fs::path& path, ProcessGroup& group,
+               const SaveOptions& options) {
+  const ForbidMaterialization no_copies;
+  const int me = group.rank();
+  const auto phase = [&](SavePhase p) {
+    if (me == 0 && options.on_phase) options.on_phase(p);
+  };
+  Destination dest;
+  try {
+    SavePlan plan;
+    phase(SavePhase::planning);
+    // 1. Every rank's claims reach rank 0 only, which validates them all together before anything
+    // touches the disk and creates the file with every dataset at its global shape.
+    const Created created = read_verdict(decide_at_root(
+                                             group, "planning, validating and creating the checkpoint",
+                                             [&] {
+                                               plan = make_plan();
+                                               return planning_payload(plan, me);
+                                             },
+                                             [&](const std::vector<std::span<const std::byte>>& payloads) {
+                                               return create_checkpoint(payloads, path, options, dest);
+                                             }),
+                                         plan, me, group.size(), dest);
+    // 2. Every rank writes and syncs its pieces.
+    phase(SavePhase::writing);
+    write_pieces(group, plan, created, dest, options);
+    // 3. Only when every rank has written and synced its pieces does rank 0 seal and commit.
+    phase(SavePhase::committing);
+    agree(group, "committing the checkpoint", [&] {
+      if (dest.opened) dest.opened->close();
+      if (dest.temp) {
+        mark_complete(dest.temp->file(), dest.data);
+        dest.temp->commit();
+      }
+    });
+    phase(SavePhase::committed);
+  } catch (Error& e) {
+    // Nothing was committed; the temporary file rank 0 created goes.
+    if (dest.temp) dest.temp->discard();
+    throw std::move(e.add_context(cat("saving ", path.string())));
+  }
+}
+
+void save(const StateDict& state, const fs::path& path, ProcessGroup& group, SaveOptions options) {
+  save_with([&] { return prepare_save(state); }, path, group, options);
+}
+
+void save(const StateDict& state, const fs::path& path, SaveOptions options) {
+  SoloGroup solo;
+  save(state, path, solo, options);
+}
+
+}  // namespace shardckpt
