@@ -1,15 +1,21 @@
 #!/usr/bin/env python3
 """Compile-failure tests: every snippet in tests/compile_fail/ that says `// rejects: TEXT` must fail
 to compile with a diagnostic containing TEXT (so that it fails for the reason it claims, not for a
-typo), and accepts.cpp must compile. Usage: compile_fail_test.py COMPILER FLAGS... -- SNIPPETS...
-(run in the build directory, where the module map's paths point)."""
+typo), and a snippet that says nothing (accepts.cpp) must compile. Usage: compile_fail_test.py
+COMPILER FLAGS... -- DIRECTORY|SNIPPET... (a directory stands for every .cpp in it; run in the
+build directory, where the module map's paths point)."""
+import glob
+import os
 import subprocess
 import sys
 
 
 def main():
     sep = sys.argv.index("--")
-    compiler, flags, snippets = sys.argv[1], sys.argv[2:sep], sys.argv[sep + 1:]
+    compiler, flags = sys.argv[1], sys.argv[2:sep]
+    snippets = []
+    for arg in sys.argv[sep + 1:]:
+        snippets += sorted(glob.glob(os.path.join(arg, "*.cpp"))) if os.path.isdir(arg) else [arg]
     passed = failed = 0
     for path in snippets:
         with open(path, encoding="utf-8") as f:

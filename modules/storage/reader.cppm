@@ -20,6 +20,11 @@ import shardckpt.views;
 import :file;
 import :format;
 
+namespace shardckpt {
+// What an open CheckpointReader holds (the :reader_state partition): no consumer sees inside it.
+struct ReaderState;
+}  // namespace shardckpt
+
 export namespace shardckpt {
 
 struct ReadOptions {
@@ -89,8 +94,7 @@ class CheckpointReader {
             MutTensorView dst, ReadOptions options = {}) const;
 
  private:
-  struct Impl;
-  std::unique_ptr<Impl> impl_;
+  std::unique_ptr<ReaderState> impl_;
 };
 
 }  // namespace shardckpt

@@ -78,13 +78,13 @@ bool fully_stored(hid_t set, hid_t dcpl, const Where& w) {
 }  // namespace
 
 // The group `name` of `parent`, reached through a hard link only (`shown` names it in messages).
-Hid CheckpointReader::Impl::group(hid_t parent, const char* name, std::string_view shown, const Where& w) const {
+Hid ReaderState::group(hid_t parent, const char* name, std::string_view shown, const Where& w) const {
   if (!hdf5::hard_link_exists(parent, name, w) || hdf5::object_type(parent, name, w) != H5O_TYPE_GROUP)
     refuse(cat("it has no ", shown, " group"));
   return owned(H5Gopen2(parent, name, H5P_DEFAULT), H5Gclose, w, Errc::not_a_checkpoint);
 }
 
-void CheckpointReader::Impl::read_metadata() {
+void ReaderState::read_metadata() {
   const Where w{path, "", "read the checkpoint metadata"};
   const Errc no = Errc::not_a_checkpoint;
   Hid meta = group(h5.get(), meta_group, "/_shardckpt", w);
@@ -131,7 +131,7 @@ void CheckpointReader::Impl::read_metadata() {
 
 // The checksum table is read by address only: a table stored any other way (chunked, external,
 // virtual) is refused rather than read through HDF5.
-void CheckpointReader::Impl::read_checksum_table(hid_t meta, const Where& w) {
+void ReaderState::read_checksum_table(hid_t meta, const Where& w) {
   const Errc no = Errc::not_a_checkpoint;
   if (!hdf5::hard_link_exists(meta, "checksums", w) || hdf5::object_type(meta, "checksums", w) != H5O_TYPE_DATASET)
     refuse("it has no /_shardckpt/checksums dataset");
@@ -156,7 +156,7 @@ void CheckpointReader::Impl::read_checksum_table(hid_t meta, const Where& w) {
 }
 
 // Opens the file itself, in its directory, which stays open for the external files beside it.
-void CheckpointReader::Impl::open(const fs::path& p) {
+void ReaderState::open(const fs::path& p) {
   path = p;
   const fs::path target = io::follow_links(p);
   const std::string name = target.filename().string();
@@ -177,8 +177,8 @@ void CheckpointReader::Impl::open(const fs::path& p) {
   file_size = file.size();
 }
 
-CheckpointReader::CheckpointReader(const fs::path& path, OpenOptions options) : impl_(std::make_unique<Impl>()) {
-  Impl& m = *impl_;
+CheckpointReader::CheckpointReader(const fs::path& path, OpenOptions options) : impl_(std::make_unique<ReaderState>()) {
+  ReaderState& m = *impl_;
   m.open(path);
   // Before HDF5 reads a byte: damaged metadata of a sealed file never reaches HDF5's parser, and
   // with a current seal every later read is checked again (a file changed in place is an error).
@@ -205,7 +205,7 @@ CheckpointReader& CheckpointReader::operator=(CheckpointReader&&) noexcept = def
 CheckpointReader::~CheckpointReader() = default;
 
 // The entry of a dataset, its header read on first use (only the datasets a rank looks at).
-CheckpointReader::Impl::Entry& CheckpointReader::Impl::entry(std::string_view key) {
+ReaderState::Entry& ReaderState::entry(std::string_view key) {
   const auto it = index.find(key);
   if (it != index.end()) return it->second;
   const std::string name(key);
@@ -217,7 +217,7 @@ CheckpointReader::Impl::Entry& CheckpointReader::Impl::entry(std::string_view ke
   return index.emplace(name, std::move(e)).first->second;
 }
 
-void CheckpointReader::Impl::read_header(const std::string& name, Entry& e) const {
+void ReaderState::read_header(const std::string& name, Entry& e) const {
   const Where dw{path, name, "read the dataset header"};
   const Errc no = Errc::not_a_checkpoint;
   if (!hdf5::hard_link_exists(h5.get(), name.c_str(), dw)) {
@@ -273,7 +273,7 @@ void CheckpointReader::Impl::read_header(const std::string& name, Entry& e) cons
 // directory, which the reader opens itself (a file could otherwise make a load read any file its
 // user can, /etc/shadow, say); data that was never stored (HDF5 would read its fill value) is
 // refused.
-void CheckpointReader::Impl::read_storage(hid_t set, const std::string& name, Entry& e, const Where& w) const {
+void ReaderState::read_storage(hid_t set, const std::string& name, Entry& e, const Where& w) const {
   Hid dcpl = owned(H5Dget_create_plist(set), H5Pclose, w, Errc::not_a_checkpoint);
   if (H5Pget_layout(dcpl.get()) == H5D_VIRTUAL)
     refuse(cat("dataset ", name, " is an HDF5 virtual dataset (its bytes live in other files, and read as fill ",
@@ -296,7 +296,7 @@ void CheckpointReader::Impl::read_storage(hid_t set, const std::string& name, En
     refuse(cat("dataset ", name, " has elements that were never stored (HDF5 would read them as its fill value)"));
 }
 
-CheckpointReader::Impl::External& CheckpointReader::Impl::external(const std::string& name) {
+ReaderState::External& ReaderState::external(const std::string& name) {
   const auto it = externals.find(name);
   if (it != externals.end()) return it->second;
   io::File f = dir.open_regular(name, Errc::not_a_checkpoint);
@@ -306,7 +306,7 @@ CheckpointReader::Impl::External& CheckpointReader::Impl::external(const std::st
   return out;
 }
 
-const Dataset& CheckpointReader::Impl::info(std::string_view key) {
+const Dataset& ReaderState::info(std::string_view key) {
   Entry& e = entry(key);
   if (!e.info) refuse(cat("the object ", key, " is ", e.skipped, ", not a tensor"));
   return *e.info;
@@ -320,7 +320,7 @@ std::optional<std::uint64_t> CheckpointReader::seal() const noexcept { return im
 const CheckpointContents& CheckpointReader::contents() const noexcept { return impl_->contents; }
 
 std::uint64_t CheckpointReader::fingerprint() const {
-  const Impl& m = *impl_;
+  const ReaderState& m = *impl_;
   std::string text = cat(m.contents.id, "\n", m.seal.value_or(0), "\n", m.file_size, "\n", m.version, "\n",
                          static_cast<int>(m.contents.kind), "\n", records_json(m.contents.params), "\n");
   for (const auto& [key, value] : m.contents.common)
@@ -339,7 +339,7 @@ std::uint64_t CheckpointReader::fingerprint() const {
 }
 
 const std::vector<ParamRecord>& CheckpointReader::params() const {
-  Impl& m = *impl_;
+  ReaderState& m = *impl_;
   {
     const std::lock_guard lock(m.mutex);
     if (m.checked_params) return *m.checked_params;
@@ -359,14 +359,14 @@ const std::vector<ParamRecord>& CheckpointReader::params() const {
 }
 
 const std::vector<Dataset>& CheckpointReader::datasets() const {
-  Impl& m = *impl_;
+  ReaderState& m = *impl_;
   const std::lock_guard lock(m.mutex);
   if (!m.all) {
     std::vector<Dataset> all;
     std::vector<std::pair<std::string, std::string>> skipped;
     for (const std::string& name : hdf5::link_names(m.h5.get(), {m.path, "", "list the datasets"})) {
       if (name == meta_group) continue;
-      const Impl::Entry& e = m.entry(name);
+      const ReaderState::Entry& e = m.entry(name);
       if (e.info)
         all.push_back(*e.info);
       else
@@ -384,15 +384,15 @@ const std::vector<std::pair<std::string, std::string>>& CheckpointReader::skippe
 }
 
 const Dataset& CheckpointReader::dataset(std::string_view key) const {
-  Impl& m = *impl_;
+  ReaderState& m = *impl_;
   const std::lock_guard lock(m.mutex);
   return m.info(key);
 }
 
 std::vector<Slab> CheckpointReader::slabs(const Dataset& d) const {
-  Impl& m = *impl_;
+  ReaderState& m = *impl_;
   const std::lock_guard lock(m.mutex);
-  Impl::Entry& e = m.entry(d.key);
+  ReaderState::Entry& e = m.entry(d.key);
   (void)m.info(d.key);
   return m.slabs_for(e);
 }

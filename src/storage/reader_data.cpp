@@ -40,7 +40,7 @@ using hdf5::Where;
 
 }  // namespace
 
-const std::vector<RawRegion>& CheckpointReader::Impl::regions_for(Entry& e) {
+const std::vector<RawRegion>& ReaderState::regions_for(Entry& e) {
   if (e.regions) return *e.regions;
   const Dataset& d = *e.info;
   std::vector<RawRegion> extents;
@@ -65,7 +65,7 @@ const std::vector<RawRegion>& CheckpointReader::Impl::regions_for(Entry& e) {
   return *(e.regions = std::move(extents));
 }
 
-const std::vector<Slab>& CheckpointReader::Impl::slabs_for(Entry& e) {
+const std::vector<Slab>& ReaderState::slabs_for(Entry& e) {
   if (e.slabs) return *e.slabs;
   const Dataset& d = *e.info;
   const Box whole = whole_box(d.shape);
@@ -103,7 +103,7 @@ const std::vector<Slab>& CheckpointReader::Impl::slabs_for(Entry& e) {
   return *(e.slabs = std::move(slabs));
 }
 
-void CheckpointReader::Impl::read_checksums(std::int64_t first, std::int64_t n, std::uint64_t* out) const {
+void ReaderState::read_checksums(std::int64_t first, std::int64_t n, std::uint64_t* out) const {
   if (n == 0) return;
   if (checksums_address) {
     file.pread_all(out, static_cast<std::size_t>(n) * sizeof(std::uint64_t),
@@ -114,53 +114,91 @@ void CheckpointReader::Impl::read_checksums(std::int64_t first, std::int64_t n, 
                  1, 0, {path, checksums_set, "read checksums"});
 }
 
-void CheckpointReader::Impl::raw_read(const Dataset& d, Entry& e, const Box& box, std::byte* mem,
-                                      std::int64_t mem_row_elems, std::int64_t mem_col, const ReadOptions& options) {
-  const std::int64_t es = element_bytes(d.dtype);
-  // Bytes in an external file are always read here: HDF5 would open the file by name.
-  if (options.method == IoMethod::raw || e.external) {
-    const io::File* from = &file;
-    const io::BulkReader* bulk = &*cached;
-    const std::vector<RawRegion>* extents = nullptr;
+namespace {
+
+
+// How the bytes of a box of a dataset reach the caller's rows (row i of the box at mem + i *
+// mem_row_elems elements, mem_col elements in): one of the two I/O strategies.
+class SlabSource {
+ public:
+  virtual ~SlabSource() = default;
+  virtual void read(ReaderState& m, const Dataset& d, ReaderState::Entry& e, const Box& box, std::byte* mem,
+                    std::int64_t mem_row_elems, std::int64_t mem_col, const ReadOptions& options) const = 0;
+};
+
+// By address: the dataset's raw regions in the checkpoint, or in the external file beside it, read
+// by the reader's own descriptors (through the page cache, or around it where asked).
+class RawSource final : public SlabSource {
+ public:
+  void read(ReaderState& m, const Dataset& d, ReaderState::Entry& e, const Box& box, std::byte* mem, std::int64_t mem_row_elems,
+            std::int64_t mem_col, const ReadOptions& options) const override {
+    const std::int64_t es = element_bytes(d.dtype);
+    const io::File* from = &m.file;
+    const io::BulkReader* bulk = &*m.cached;
+    const std::vector<RawRegion>* regions = nullptr;
     {
-      const std::lock_guard lock(mutex);
-      extents = &regions_for(e);
+      const std::lock_guard lock(m.mutex);
+      regions = &m.regions_for(e);
       if (e.external) {
-        External& x = external(*e.external);
+        ReaderState::External& x = m.external(*e.external);
         from = &x.file;
         bulk = &*x.bulk;
       } else if (options.bypass_page_cache) {
-        if (!uncached) uncached.emplace(file, io::PageCache::bypass);
-        bulk = &*uncached;
+        if (!m.uncached) m.uncached.emplace(m.file, io::PageCache::bypass);
+        bulk = &*m.uncached;
       }
     }
-    if (!extents->empty() || e.external) {
-      const std::int64_t stride = mem_row_elems * es;
-      transfer(path, *extents, es, box, mem + mem_col * es, stride,
-               [&](std::byte* q, std::size_t run, std::size_t rows, std::uint64_t at, std::int64_t file_stride) {
-                 const auto s = static_cast<std::size_t>(stride);
-                 if (static_cast<std::int64_t>(run) != file_stride)  // part of each file row: few bytes, scattered
-                   for (std::size_t r = 0; r < rows; ++r)
-                     from->pread_all(q + r * s, run, at + r * static_cast<std::uint64_t>(file_stride));
-                 else if (run == s)
-                   bulk->read(q, run * rows, at);
-                 else
-                   bulk->read_runs(q, run, s, rows, at);
-               });
-      return;
-    }
+    const std::int64_t stride = mem_row_elems * es;
+    transfer(m.path, *regions, es, box, mem + mem_col * es, stride,
+             [&](std::byte* q, std::size_t run, std::size_t rows, std::uint64_t at, std::int64_t file_stride) {
+               const auto s = static_cast<std::size_t>(stride);
+               if (static_cast<std::int64_t>(run) != file_stride)  // part of each file row: few bytes, scattered
+                 for (std::size_t r = 0; r < rows; ++r)
+                   from->pread_all(q + r * s, run, at + r * static_cast<std::uint64_t>(file_stride));
+               else if (run == s)
+                 bulk->read(q, run * rows, at);
+               else
+                 bulk->read_runs(q, run, s, rows, at);
+             });
   }
-  // Datasets the direct path cannot address (filtered, small chunks, another byte order) go through HDF5.
-  const Where w{path, d.key, "read a piece"};
-  Hid set = owned(H5Dopen2(h5.get(), d.key.c_str(), H5P_DEFAULT), H5Dclose, w, Errc::not_a_checkpoint);
-  hdf5::read_box(set.get(), d.dtype, d.shape, box, mem, mem_row_elems, mem_col, w);
+};
+
+// HDF5 hyperslab reads, for IoMethod::hyperslab and for what the raw path cannot address (filtered
+// data, many small chunks, another byte order).
+class Hdf5Source final : public SlabSource {
+ public:
+  void read(ReaderState& m, const Dataset& d, ReaderState::Entry&, const Box& box, std::byte* mem, std::int64_t mem_row_elems,
+            std::int64_t mem_col, const ReadOptions&) const override {
+    const Where w{m.path, d.key, "read a piece"};
+    Hid set = owned(H5Dopen2(m.h5.get(), d.key.c_str(), H5P_DEFAULT), H5Dclose, w, Errc::not_a_checkpoint);
+    hdf5::read_box(set.get(), d.dtype, d.shape, box, mem, mem_row_elems, mem_col, w);
+  }
+};
+
+const RawSource raw_source;
+const Hdf5Source hdf5_source;
+
+// The strategy, chosen in this one place: bytes in an external file always by address (HDF5 would
+// open the file by name), others by address when asked and addressable, else through HDF5.
+const SlabSource& source_for(ReaderState& m, ReaderState::Entry& e, const ReadOptions& options) {
+  if (e.external) return raw_source;
+  const std::lock_guard lock(m.mutex);
+  return options.method == IoMethod::raw && !m.regions_for(e).empty() ? static_cast<const SlabSource&>(raw_source)
+                                                                      : hdf5_source;
+}
+
+}  // namespace
+
+void ReaderState::raw_read(const Dataset& d, Entry& e, const Box& box, std::byte* mem,
+                                      std::int64_t mem_row_elems, std::int64_t mem_col, const ReadOptions& options) {
+  source_for(*this, e, options).read(*this, d, e, box, mem, mem_row_elems, mem_col, options);
 }
 
 // Reads `sub` (the part of `box` that slab `s` holds) into `out` (the rows of `box`), checking
 // every row read against its checksum in batches. Whole rows (the slab's rows lie inside the box's
 // columns) are read in place; rows that reach past the box are read whole into scratch memory,
 // checked, and the asked-for part copied.
-void CheckpointReader::Impl::read_checked(const Dataset& d, Entry& e, const Slab& s, const Box& sub,
+void ReaderState::read_checked(const Dataset& d, Entry& e, const Slab& s, const Box& sub,
                                           const Box& box, std::byte* out, const ReadOptions& options) {
   const std::int64_t es = element_bytes(d.dtype), width = box.cols.size();
   const auto mismatch = [&](std::int64_t row) {
@@ -200,12 +238,12 @@ void CheckpointReader::Impl::read_checked(const Dataset& d, Entry& e, const Slab
 }
 
 void CheckpointReader::read(const Dataset& d, const Box& box, MutTensorView dst, ReadOptions options) const {
-  Impl& m = *impl_;
+  ReaderState& m = *impl_;
   check_box(d, box, dst.dtype(), dst.bytes(), m.path);
   if (box.empty()) return;
   auto* out = static_cast<std::byte*>(static_cast<void*>(dst.data()));
   const std::int64_t es = element_bytes(d.dtype), width = box.cols.size();
-  Impl::Entry* e = nullptr;
+  ReaderState::Entry* e = nullptr;
   const std::vector<Slab>* slabs = nullptr;
   {
     const std::lock_guard lock(m.mutex);

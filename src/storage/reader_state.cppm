@@ -25,7 +25,7 @@ import :seal;
 
 namespace shardckpt {
 
-struct CheckpointReader::Impl {
+struct ReaderState {
   // A file beside the checkpoint that holds a dataset's bytes (HDF5 external storage), opened by the
   // reader itself: HDF5 never opens it by name.
   struct External {

@@ -141,15 +141,103 @@ Skeleton create_skeleton(io::File& f, std::span<const Dataset> datasets, const C
   return out;
 }
 
+namespace {
+
+// Where a writer's rows and checksums go: one of the two I/O strategies, chosen once per writer.
+class PieceSink {
+ public:
+  virtual ~PieceSink() = default;
+  // `rows` of `box` (a batch of a piece), row r at p + r * row_bytes.
+  virtual void write(const Dataset& d, const Box& box, const std::byte* p, std::int64_t row_bytes) = 0;
+  // Checksums [first, first + n) of the table.
+  virtual void write_checksums(std::int64_t first, std::span<const std::uint64_t> hashes) = 0;
+  // Everything written has reached the file (not yet stable storage).
+  virtual void finish() = 0;
+};
+
+// Positional writes at the file addresses of the datasets' raw data, past HDF5: every rank at once.
+class RawSink final : public PieceSink {
+ public:
+  RawSink(io::File& file, std::uint64_t table_address) : file_(file), table_address_(table_address) {}
+
+  void write(const Dataset& d, const Box& box, const std::byte* p, std::int64_t row_bytes) override {
+    require(!d.regions.empty(), Errc::invalid_argument, "key ", d.key,
+            ": the raw path needs a dataset whose raw data it can address");
+    transfer(file_.path(), d.regions, element_bytes(d.dtype), box, p, row_bytes,
+             [&](const std::byte* q, std::size_t run, std::size_t rows, std::uint64_t at, std::int64_t file_stride) {
+               if (static_cast<std::int64_t>(run) == file_stride && file_stride == row_bytes)
+                 return file_.pwrite_all(q, run * rows, at);
+               for (std::size_t r = 0; r < rows; ++r)
+                 file_.pwrite_all(q + r * row_bytes, run, at + r * static_cast<std::uint64_t>(file_stride));
+             });
+  }
+  void write_checksums(std::int64_t first, std::span<const std::uint64_t> hashes) override {
+    file_.pwrite_all(hashes.data(), hashes.size_bytes(),
+                     table_address_ + static_cast<std::uint64_t>(first) * sizeof(std::uint64_t));
+  }
+  void finish() override {}
+
+ private:
+  io::File& file_;
+  std::uint64_t table_address_;
+};
+
+// HDF5 hyperslab writes through the file's channel: one rank at a time (HDF5 must not have one file
+// open for writing in two processes).
+class Hdf5Sink final : public PieceSink {
+ public:
+  explicit Hdf5Sink(io::File& file) : path_(file.path()), channel_(file), h5_(hdf5::open_file(channel_, true, Errc::hdf5)) {}
+  Hdf5Sink(const Hdf5Sink&) = delete;
+  Hdf5Sink& operator=(const Hdf5Sink&) = delete;
+  // An abandoned writer (its save failed): HDF5 objects close before the channel they use.
+  ~Hdf5Sink() override {
+    sets_.clear();
+    h5_ = Hid();
+  }
+
+  void write(const Dataset& d, const Box& box, const std::byte* p, std::int64_t) override {
+    const Where w{path_, d.key, "write a piece"};
+    hdf5::write_box(dataset(d.key, w), d.dtype, d.shape, box, p, w);
+  }
+  void write_checksums(std::int64_t first, std::span<const std::uint64_t> hashes) override {
+    const Where w{path_, "", "write the checksums"};
+    const auto n = static_cast<std::int64_t>(hashes.size());
+    const std::int64_t total = hdf5::shape_of(dataset(checksums_set, w), w, Errc::hdf5).at(0);
+    require(first + n <= total, Errc::internal, "checksums past the end of the table");
+    hdf5::write_box(dataset(checksums_set, w), DType::u64, std::vector<std::int64_t>{total},
+                    {{first, first + n}, {0, 1}}, hashes.data(), w);
+  }
+  void finish() override {
+    for (auto& [key, set] : sets_) set.close({path_, key, "write a piece"});
+    sets_.clear();
+    hdf5::close_written(h5_, channel_, "write pieces");
+  }
+
+ private:
+  hid_t dataset(const std::string& key, const Where& w) {
+    auto it = sets_.find(key);
+    if (it == sets_.end())
+      it = sets_.emplace(key, owned(H5Dopen2(h5_.get(), key.c_str(), H5P_DEFAULT), H5Dclose, w)).first;
+    return it->second.get();
+  }
+
+  fs::path path_;
+  hdf5::Channel channel_;
+  Hid h5_;
+  std::map<std::string, Hid, std::less<>> sets_;
+};
+
+}  // namespace
+
 struct PieceWriter::Impl {
-  explicit Impl(io::File& f) : file(f) {}
-  fs::path path;
-  IoMethod method = IoMethod::raw;
-  std::optional<ChecksumSlot> checksums;
+  Impl(io::File& f, IoMethod method, std::optional<ChecksumSlot> slot)
+      : file(f),
+        checksums(slot),
+        sink(method == IoMethod::raw ? std::unique_ptr<PieceSink>(new RawSink(f, slot ? slot->table_address : 0))
+                                     : std::unique_ptr<PieceSink>(new Hdf5Sink(f))) {}
   io::File& file;
-  std::unique_ptr<hdf5::Channel> channel;  // hyperslab path
-  Hid h5;                                  // hyperslab path
-  std::map<std::string, Hid, std::less<>> sets;
+  std::optional<ChecksumSlot> checksums;
+  std::unique_ptr<PieceSink> sink;
   std::vector<std::uint64_t> hashes;  // not yet in the table
   std::int64_t hashes_written = 0;    // checksums of this writer already in the table
   BytesDone progress;
@@ -157,62 +245,28 @@ struct PieceWriter::Impl {
   // The checksums computed so far go to their place in the table: a writer holds at most
   // hash_batch of them, whatever the number of rows it writes.
   static constexpr std::size_t hash_batch = 8192;
-  void flush_hashes();
-
-  hid_t dataset(const std::string& key, const Where& w) {
-    auto it = sets.find(key);
-    if (it == sets.end()) it = sets.emplace(key, owned(H5Dopen2(h5.get(), key.c_str(), H5P_DEFAULT), H5Dclose, w)).first;
-    return it->second.get();
+  void flush_hashes() {
+    if (hashes.empty()) return;
+    sink->write_checksums(checksums->first_checksum + hashes_written, hashes);
+    hashes_written += static_cast<std::int64_t>(hashes.size());
+    hashes.clear();
   }
 };
 
 PieceWriter::PieceWriter(io::File& file, IoMethod method, std::optional<ChecksumSlot> checksums, BytesDone progress)
-    : impl_(std::make_unique<Impl>(file)) {
-  Impl& m = *impl_;
-  m.path = file.path();
-  m.method = method;
-  m.checksums = checksums;
-  m.progress = std::move(progress);
-  if (method == IoMethod::raw) return;
-  m.channel = std::make_unique<hdf5::Channel>(m.file);
-  m.h5 = hdf5::open_file(*m.channel, true, Errc::hdf5);
+    : impl_(std::make_unique<Impl>(file, method, checksums)) {
+  impl_->progress = std::move(progress);
 }
 
 PieceWriter::PieceWriter(PieceWriter&&) noexcept = default;
 PieceWriter& PieceWriter::operator=(PieceWriter&&) noexcept = default;
-PieceWriter::~PieceWriter() {
-  if (!impl_) return;
-  // An abandoned writer (its save failed): close HDF5 objects before the channel they use.
-  impl_->sets.clear();
-  impl_->h5 = Hid();
-}
-
-void PieceWriter::Impl::flush_hashes() {
-  if (hashes.empty()) return;
-  const Where w{path, "", "write the checksums"};
-  const auto n = static_cast<std::int64_t>(hashes.size());
-  const std::int64_t first = checksums->first_checksum + hashes_written;
-  if (method == IoMethod::raw) {
-    file.pwrite_all(hashes.data(), hashes.size() * sizeof(std::uint64_t),
-                    checksums->table_address + static_cast<std::uint64_t>(first) * sizeof(std::uint64_t));
-  } else {
-    const std::int64_t total = hdf5::shape_of(dataset(checksums_set, w), w, Errc::hdf5).at(0);
-    require(first + n <= total, Errc::internal, "checksums past the end of the table");
-    hdf5::write_box(dataset(checksums_set, w), DType::u64, std::vector<std::int64_t>{total}, {{first, first + n}, {0, 1}},
-                    hashes.data(), w);
-  }
-  hashes_written += n;
-  hashes.clear();
-}
+PieceWriter::~PieceWriter() = default;
 
 void PieceWriter::write(const Dataset& d, const Box& box, TensorView src) {
   Impl& m = *impl_;
-  check_box(d, box, src.dtype(), src.bytes(), m.path);
+  check_box(d, box, src.dtype(), src.bytes(), m.file.path());
   if (box.empty()) return;
-  const std::int64_t es = element_bytes(d.dtype), row_bytes = box.cols.size() * es;
-  require(m.method == IoMethod::hyperslab || !d.regions.empty(), Errc::invalid_argument, "key ", d.key,
-          ": the direct path needs a dataset whose raw data it can address");
-  const Where w{m.path, d.key, "write a piece"};
+  const std::int64_t row_bytes = box.cols.size() * element_bytes(d.dtype);
   const auto* bytes = static_cast<const std::byte*>(static_cast<const void*>(src.data()));
   const std::int64_t step = batch_rows(row_bytes);
   for (std::int64_t r0 = box.rows.begin; r0 < box.rows.end; r0 += step) {
@@ -224,16 +278,7 @@ void PieceWriter::write(const Dataset& d, const Box& box, TensorView src) {
         m.hashes.push_back(row_hash(p + r * row_bytes, static_cast<std::size_t>(row_bytes)));
         if (m.hashes.size() == Impl::hash_batch) m.flush_hashes();
       }
-    if (m.method == IoMethod::raw)
-      transfer(m.file.path(), d.regions, es, batch, p, row_bytes,
-               [&](const std::byte* q, std::size_t run, std::size_t rows, std::uint64_t at, std::int64_t file_stride) {
-                 if (static_cast<std::int64_t>(run) == file_stride && file_stride == row_bytes)
-                   return m.file.pwrite_all(q, run * rows, at);
-                 for (std::size_t r = 0; r < rows; ++r)
-                   m.file.pwrite_all(q + r * row_bytes, run, at + r * static_cast<std::uint64_t>(file_stride));
-               });
-    else
-      hdf5::write_box(m.dataset(d.key, w), d.dtype, d.shape, batch, p, w);
+    m.sink->write(d, batch, p, row_bytes);
     if (m.progress) m.progress(batch.rows.size() * row_bytes);
   }
 }
@@ -246,11 +291,7 @@ void PieceWriter::write(const Dataset& d, std::span<const std::int64_t> offset,
 void PieceWriter::finish() {
   Impl& m = *impl_;
   m.flush_hashes();
-  if (m.method == IoMethod::hyperslab) {
-    for (auto& [key, set] : m.sets) set.close({m.path, key, "write a piece"});
-    m.sets.clear();
-    hdf5::close_written(m.h5, *m.channel, "write pieces");
-  }
+  m.sink->finish();
   m.file.sync();
 }
 
