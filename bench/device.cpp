@@ -12,10 +12,10 @@ import shardckpt.cuda;
 namespace bench {
 namespace {
 
-std::unique_ptr<CopyEngine> make_engine(const std::string& device, int rank) {
-  if (device == "emulated") return std::make_unique<EmulatedDevice>(0);
+std::shared_ptr<CopyEngine> make_engine(const std::string& device, int rank) {
+  if (device == "emulated") return std::make_shared<EmulatedDevice>(0);
 #ifdef SHARDCKPT_HAVE_CUDA
-  if (CudaEngine::devices() > 0) return std::make_unique<CudaEngine>(rank % CudaEngine::devices());
+  if (CudaEngine::devices() > 0) return std::make_shared<CudaEngine>(rank % CudaEngine::devices());
   throw Error(Errc::device, "--device cuda: no CUDA device is available");
 #else
   (void)rank;
@@ -25,8 +25,8 @@ std::unique_ptr<CopyEngine> make_engine(const std::string& device, int rank) {
 
 // The engine's copy rate between device memory and pinned memory, one copy of `bytes` (median of 3).
 std::pair<double, double> peak_copy_gbps(CopyEngine& engine, std::int64_t bytes) {
-  const SharedBuffer device = engine.allocate_device(DType::u8, {bytes});
-  const SharedBuffer pinned = engine.allocate_pinned(static_cast<std::size_t>(bytes));
+  SharedBuffer device = engine.allocate_device(DType::u8, {bytes});
+  SharedBuffer pinned = engine.allocate_pinned(DType::u8, {bytes});
   std::vector<double> d2h, h2d;
   for (int i = 0; i < 4; ++i) {  // the first round warms up
     h2d.push_back(timed([&] {
@@ -44,10 +44,10 @@ std::pair<double, double> peak_copy_gbps(CopyEngine& engine, std::int64_t bytes)
 }
 
 struct Ranks {
-  std::vector<std::unique_ptr<CopyEngine>> engines;
+  std::vector<std::shared_ptr<CopyEngine>> engines;
   std::vector<demo::RankModel> models;
   std::vector<std::unique_ptr<Saver>> savers;
-  std::vector<std::unique_ptr<StagingPool>> pools;
+  std::vector<std::shared_ptr<StagingPool>> pools;
   std::vector<StateDict> destinations;
 };
 
@@ -56,16 +56,16 @@ Ranks device_ranks(Run& run) {
   const int n = run.sl().ranks();
   for (int r = 0; r < n; ++r) d.engines.push_back(make_engine(run.o.device, r));
   d.models = build_models(run.config, run.sl(), [&](int r) {
-    return demo::ShardMemory{MemoryKind::device, d.engines[static_cast<std::size_t>(r)].get()};
+    return demo::ShardMemory{MemoryKind::device, d.engines[static_cast<std::size_t>(r)]};
   });
   d.savers.resize(static_cast<std::size_t>(n));
   run_ranks(n, [&](ProcessGroup& g) {
     const auto me = static_cast<std::size_t>(g.rank());
-    d.savers[me] = std::make_unique<Saver>(g, SaverOptions{.engine = d.engines[me].get()});
+    d.savers[me] = std::make_unique<Saver>(g, SaverOptions{.engine = d.engines[me]});
   });
   for (int r = 0; r < n; ++r) {
-    CopyEngine* engine = d.engines[static_cast<std::size_t>(r)].get();
-    d.pools.push_back(std::make_unique<StagingPool>(*engine));
+    const std::shared_ptr<CopyEngine>& engine = d.engines[static_cast<std::size_t>(r)];
+    d.pools.push_back(std::make_shared<StagingPool>(engine));
     d.destinations.push_back(demo::with_destinations(demo::request(run.config, run.sl(), r), {MemoryKind::device, engine}));
   }
   return d;
@@ -88,7 +88,7 @@ double load_round(Run& run, Ranks& d, bool check, std::int64_t& mismatches) {
   const double s = timed([&] {
     run_ranks(run.sl().ranks(), [&](ProcessGroup& g) {
       const auto me = static_cast<std::size_t>(g.rank());
-      values[me] = load_into(run.ckpt, d.destinations[me], g, {.staging = d.pools[me].get()});
+      values[me] = load_into(run.ckpt, d.destinations[me], g, {.staging = d.pools[me]});
     });
   });
   if (check)

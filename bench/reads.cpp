@@ -47,7 +47,7 @@ double load_round(Run& run, const demo::Layout& l, bool verify_checksums, bool c
 }
 
 // One cold-cache load in place into `model` (one state dict per rank, shards already in memory).
-double into_round(Run& run, const demo::Layout& l, const std::vector<StateDict>& model, bool check, std::int64_t& peak,
+double into_round(Run& run, const demo::Layout& l, std::vector<StateDict>& model, bool check, std::int64_t& peak,
                   Reads& r, bool bypass_page_cache = false) {
   std::vector<Values> values(model.size());
   run.cache.cold();
@@ -75,7 +75,7 @@ std::vector<StateDict> destinations(const Run& run, const demo::Layout& l) {
   return out;
 }
 
-void read_round(Run& run, Reads& r, const std::vector<StateDict>& same, const std::vector<StateDict>& resharded,
+void read_round(Run& run, Reads& r, std::vector<StateDict>& same, std::vector<StateDict>& resharded,
                 bool check) {
   run.cache.cold();
   r.raw.push_back(timed([&] { r.file_bytes = raw_read(run.ckpt); }));
@@ -143,7 +143,7 @@ void report_reads(Run& run, const Reads& r, Report& report) {
 
 void measure_reads(Run& run, Report& report) {
   // A trainer's model: shards that exist (and whose pages were touched) before any load.
-  const std::vector<StateDict> same = destinations(run, run.sl()), resharded = destinations(run, run.ll());
+  std::vector<StateDict> same = destinations(run, run.sl()), resharded = destinations(run, run.ll());
   // The first read of a freshly written file can run at another speed than later ones (the disk of a
   // virtual machine has caches of its own below the page cache): one untimed read first.
   run.cache.cold();

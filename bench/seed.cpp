@@ -91,7 +91,7 @@ void measure_seed_geometry(const fs::path& dir, Report& report) {
       StateDict state;
       for (std::size_t i = 0; i < specs.size(); ++i) {
         ShardedParam p = param_of(g, specs[i], group.rank());
-        const SharedBuffer shard = SharedBuffer::zeros(p.dtype, p.shard_shape());
+        SharedBuffer shard = SharedBuffer::zeros(p.dtype, p.shard_shape());
         std::byte* out = shard.mut_view().data();
         const std::size_t real = real_bytes(g, specs[i], group.rank(), shard.view());
         for (std::size_t b = 0; b < real; ++b) out[b] = value_at(group.rank(), i, b);

@@ -86,10 +86,9 @@ struct DeviceFlags {
 // One rank's memory: the engine of its device (none for host memory), where its shards go, and the
 // pinned pool that loads into device memory stream through.
 struct RankDevice {
-  std::unique_ptr<CopyEngine> engine;
+  std::shared_ptr<CopyEngine> engine;
   demo::ShardMemory placement;
-  std::optional<StagingPool> pool;
-  const StagingPool* staging() const { return pool ? &*pool : nullptr; }
+  std::shared_ptr<StagingPool> pool;
 };
 // `rank` picks the CUDA device (rank modulo the devices); for loads (rank_bytes > 0) the pool has
 // two buffers of staging_buffer_bytes(rank_bytes). Throws Errc::device without one.

@@ -171,7 +171,7 @@ enum class DType : std::uint8_t { bf16, f16, f32, f64, i8, i16, i32, i64, u8, u1
 
 enum class NumberKind : std::uint8_t { floating, signed_integer, unsigned_integer };
 
-// Everything the library knows about a dtype; the HDF5 type (shardckpt.hdf5), the C++ type
+// Everything the library knows about a dtype; the HDF5 type (shardckpt.storage:hdf5), the C++ type
 // (dtype_v below) and the parsers are derived from this table. Floats are little-endian IEEE-style
 // with a sign bit on top, then `exponent_bits`, then `mantissa_bits`.
 struct DTypeInfo {

@@ -29,7 +29,7 @@ class CudaEngine final : public CopyEngine {
 
   std::string_view name() const noexcept override { return "cuda"; }
   MemorySpace device() const noexcept override;
-  SharedBuffer allocate_pinned(std::size_t bytes) override;
+  SharedBuffer allocate_pinned(DType dtype, Extents shape) override;
   SharedBuffer allocate_device(DType dtype, Extents shape) override;
   void copy_to_host(TensorView device_src, MutTensorView host_dst) override;
   void copy_to_device(TensorView host_src, MutTensorView device_dst) override;

@@ -5,6 +5,7 @@
 // (fnv1a32(key) + i) mod 2^24, exact in f32 and rounded to nearest even in bf16, so any rank at any
 // layout can build or check its own shard without seeing anyone else's.
 module;
+#include <memory>
 #include <cstdint>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -73,7 +74,7 @@ std::int64_t model_bytes(const ModelConfig& config, const Training& training = {
 // the engine that allocates and moves it; pinned without one is locked host memory).
 struct ShardMemory {
   MemoryKind memory = MemoryKind::host;
-  CopyEngine* engine = nullptr;
+  std::shared_ptr<CopyEngine> engine = nullptr;
 };
 
 // One rank's model: a state dict that owns its shards (pattern in real rows, zeros in pad rows).

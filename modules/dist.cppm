@@ -45,7 +45,7 @@ struct SaveOptions {
   BytesDone progress = {};
   // Pinned buffers through which shards in device memory are written (required for them; a Saver
   // brings its own).
-  const StagingPool* staging = nullptr;
+  std::shared_ptr<StagingPool> staging = nullptr;
 };
 
 // Saves the state dicts of all ranks of `group` as one checkpoint at `path` (collective: every rank
@@ -61,17 +61,22 @@ void save(const StateDict& state, const std::filesystem::path& path, SaveOptions
 // is Errc::replaced, never a mix. With `replicas` (this rank's group of
 // data-parallel copies, ranked by replica id), the copies of a shard each read a share of its rows
 // from the file and receive the others' through the group: each byte is read once per group.
-Values load_into(const std::filesystem::path& path, const StateDict& state, ProcessGroup& group,
+Values load_into(const std::filesystem::path& path, StateDict& state, ProcessGroup& group,
                  LoadOptions options = {}, ProcessGroup* replicas = nullptr);
 LoadedState load(const std::filesystem::path& path, const StateDict& request, ProcessGroup& group,
                  LoadOptions options = {}, ProcessGroup* replicas = nullptr);
 // The same through a checkpoint each rank has open already (thread ranks may share one reader):
 // records, common values and tensor bytes then come from that one open file, and the ranks check
 // that their readers hold the same checkpoint (CheckpointReader::fingerprint) before anything is read.
-Values load_into(const CheckpointReader& reader, const StateDict& state, ProcessGroup& group, LoadOptions options = {},
+Values load_into(const CheckpointReader& reader, StateDict& state, ProcessGroup& group, LoadOptions options = {},
                  ProcessGroup* replicas = nullptr);
 LoadedState load(const CheckpointReader& reader, const StateDict& request, ProcessGroup& group,
                  LoadOptions options = {}, ProcessGroup* replicas = nullptr);
+
+// Ranks that are threads of one process call HDF5 concurrently, which needs an HDF5 built thread-safe
+// (Debian's is: one global lock). Throws Errc::invalid_argument for a group of several thread ranks
+// when `thread_safe` is false; every collective save and load checks it first.
+void require_thread_safe_hdf5(const ProcessGroup& group, bool thread_safe = hdf5_thread_safe());
 
 // A save that returns once its bytes are staged (Saver::save_async): wait() returns the collective
 // outcome, the same on every rank, or throws it.
@@ -94,7 +99,7 @@ class AsyncSave {
 
 struct SaverOptions {
   // The engine of the device the shards live on; none for host memory only.
-  CopyEngine* engine = nullptr;
+  std::shared_ptr<CopyEngine> engine = nullptr;
   std::size_t staging_buffer_bytes = StagingPool::default_buffer_bytes;
   int staging_buffers = 2;
   // The memory async saves stage into; 0: as much as the first async save needs. It never grows:

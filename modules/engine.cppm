@@ -38,8 +38,9 @@ class CopyEngine {
   virtual std::string_view name() const noexcept = 0;
   // The device whose memory this engine moves.
   virtual MemorySpace device() const noexcept = 0;
-  // Host memory the engine copies at full speed (pinned). Allocate once, reuse.
-  virtual SharedBuffer allocate_pinned(std::size_t bytes) = 0;
+  // Host memory the engine copies at full speed (pinned), as a tensor of `dtype` and `shape` (a
+  // byte buffer: u8). Allocate once, reuse.
+  virtual SharedBuffer allocate_pinned(DType dtype, Extents shape) = 0;
   // Device memory, for tests and tools: a trainer brings its own and borrows it.
   virtual SharedBuffer allocate_device(DType dtype, Extents shape) = 0;
   // Asynchronous, in order on the engine's stream. The views must have the same bytes; `host`
@@ -63,7 +64,7 @@ class CopyEngine {
 
 // Page-aligned host memory locked with mlock where the system allows (what pinned means without
 // a CUDA driver), in the pinned memory space.
-SharedBuffer allocate_locked(std::size_t bytes);
+SharedBuffer allocate_locked(DType dtype, Extents shape);
 
 // An emulated device: its memory is mapped PROT_NONE except while the engine's own thread copies or
 // zeroes it, so that any host access to device memory outside the engine crashes the process.
@@ -79,7 +80,7 @@ class EmulatedDevice final : public CopyEngine {
 
   std::string_view name() const noexcept override { return "emulated"; }
   MemorySpace device() const noexcept override;
-  SharedBuffer allocate_pinned(std::size_t bytes) override;
+  SharedBuffer allocate_pinned(DType dtype, Extents shape) override;
   SharedBuffer allocate_device(DType dtype, Extents shape) override;
   void copy_to_host(TensorView device_src, MutTensorView host_dst) override;
   void copy_to_device(TensorView host_src, MutTensorView device_dst) override;
@@ -100,7 +101,11 @@ class StagingPool {
  public:
   // Default: two buffers of 64 MiB, so that copying one overlaps with writing (or reading) the other.
   static constexpr std::size_t default_buffer_bytes = std::size_t{64} << 20;
-  StagingPool(CopyEngine& engine, std::size_t buffer_bytes = default_buffer_bytes, int buffers = 2);
+  // The pool shares the ownership of its engine: the engine lives while the pool does.
+  explicit StagingPool(std::shared_ptr<CopyEngine> engine, std::size_t buffer_bytes = default_buffer_bytes,
+                       int buffers = 2);
+  StagingPool(const StagingPool&) = delete;
+  StagingPool& operator=(const StagingPool&) = delete;
 
   CopyEngine& engine() const noexcept [[clang::lifetimebound]] { return *engine_; }
   int buffers() const noexcept { return static_cast<int>(buffers_.size()); }
@@ -108,14 +113,14 @@ class StagingPool {
   std::size_t bytes() const noexcept { return buffer_bytes_ * buffers_.size(); }
   // Buffer `i` seen as `rows` rows shaped like `like` (its dtype and trailing dims), in pinned memory.
   // Throws Errc::invalid_argument when they do not fit.
-  MutTensorView rows_of(int i, TensorView like, std::int64_t rows) const;
+  MutTensorView rows_of(int i, TensorView like, std::int64_t rows) [[clang::lifetimebound]];
   // How many rows of `like` one buffer holds (at least one, or Errc::invalid_argument).
   std::int64_t rows_per_buffer(TensorView like) const;
-  // Buffer `i`'s bytes, in pinned memory.
-  MutTensorView buffer(int i) const;
+  // Buffer `i`'s bytes, in pinned memory: from a pool its user may write to, not a const one.
+  MutTensorView buffer(int i) [[clang::lifetimebound]];
 
  private:
-  CopyEngine* engine_;
+  std::shared_ptr<CopyEngine> engine_;
   std::size_t buffer_bytes_;
   std::vector<SharedBuffer> buffers_;
 };

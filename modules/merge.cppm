@@ -12,6 +12,7 @@ module;
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -55,7 +56,7 @@ std::vector<Claim> claims_of(const SavePlan& plan, int rank);
 // Writes this rank's items, in order, into a skeleton whose datasets are `datasets`. Items in device
 // memory go through `staging`: while one buffer's rows are written, the engine copies the next.
 void write_items(const SavePlan& plan, std::span<const Dataset> datasets, PieceWriter& writer,
-                 const StagingPool* staging = nullptr);
+                 const std::shared_ptr<StagingPool>& staging = nullptr);
 
 struct LoadOptions {
   IoMethod method = IoMethod::raw;
@@ -71,7 +72,7 @@ struct LoadOptions {
   // Told, on the rank that reads them, how many more bytes were read (progress reports).
   BytesDone progress = {};
   // Pinned buffers through which destinations in device memory are filled (required for them).
-  const StagingPool* staging = nullptr;
+  std::shared_ptr<StagingPool> staging = nullptr;
   // Each data-parallel copy of a shard reads only its share of the rows; the others arrive through
   // the replicas' process group (dist's load sets this when it has one).
   bool read_own_share = false;
@@ -86,8 +87,8 @@ struct LoadOptions {
 // destination rows, pad rows zeroed in place, a padding-only rank's shard zero-filled. Allocates
 // nothing proportional to the model. Returns the common and local values. Throws
 // Errc::missing_key, shape_mismatch, dtype_mismatch, not_a_checkpoint or corrupt.
-Values load_into(const CheckpointReader& reader, const StateDict& state, LoadOptions options = {});
-Values load_into(const std::filesystem::path& path, const StateDict& state, LoadOptions options = {});
+Values load_into(const CheckpointReader& reader, StateDict& state, LoadOptions options = {});
+Values load_into(const std::filesystem::path& path, StateDict& state, LoadOptions options = {});
 // Loads this rank's part of a global checkpoint at the request's layout (any TP, GTP, alignment)
 // into host memory it allocates (what load_into then fills). A tensor asked for whole (a
 // ShardedTensor at its global shape, a parameter at GTP 1 that TP does not split) is counted as a
@@ -104,7 +105,20 @@ struct ReplicaRows {
   MutTensorView rows;
   std::vector<std::int64_t> counts;
 };
-std::vector<ReplicaRows> replica_rows(const StateDict& state);
+std::vector<ReplicaRows> replica_rows(StateDict& state);
+
+// The memory a load writes of one entry of a state dict: where it is and whose it is.
+struct LoadTarget {
+  std::string key;
+  MemorySpace space;
+  std::uintptr_t begin = 0, end = 0;  // addresses in `space`
+};
+// Every destination of a load into `state`, each checked before a byte is read: present, of its
+// entry's dtype and shape, and writable (Errc::shape_mismatch, Errc::invalid_argument naming the key).
+std::vector<LoadTarget> load_targets(StateDict& state);
+// Throws Errc::invalid_argument naming both keys when two destinations share memory: a load would
+// fill one entry with another's rows (`who` says whose they are: a rank, or ranks of one process).
+void require_disjoint(std::vector<LoadTarget> targets, std::string_view who);
 
 // The request's host-memory twin: the same entries with destinations that load() allocates.
 struct Allocated {
@@ -136,7 +150,7 @@ StateDict request_all(const CheckpointReader& reader, const LoadLayout& layout);
 // the file: the load rebuilds their placeholders from the request.
 void save_local(const StateDict& state, const std::filesystem::path& path, IoMethod method = IoMethod::raw);
 LoadedState load_local(const std::filesystem::path& path, const StateDict& request, LoadOptions options = {});
-Values load_local_into(const std::filesystem::path& path, const StateDict& state, LoadOptions options = {});
+Values load_local_into(const std::filesystem::path& path, StateDict& state, LoadOptions options = {});
 
 }  // namespace shardckpt
 
@@ -145,6 +159,6 @@ Values load_local_into(const std::filesystem::path& path, const StateDict& state
 // `reader` of a checkpoint of `kind` (the global path or the per-rank local one).
 namespace shardckpt {
 SavePlan plan_save(const StateDict& state, bool share_replicas);
-Values load_with(const CheckpointReader& reader, const StateDict& state, const LoadOptions& options,
+Values load_with(const CheckpointReader& reader, StateDict& state, const LoadOptions& options,
                  CheckpointKind kind);
 }  // namespace shardckpt

@@ -8,6 +8,7 @@ module;
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -84,6 +85,10 @@ class StateDict {
 
   const std::vector<ShardedTensor>& tensors() const noexcept [[clang::lifetimebound]] { return tensors_; }
   const std::vector<ShardedParam>& params() const noexcept [[clang::lifetimebound]] { return params_; }
+  // The entries of a state dict its owner may change (a load fills their memory): the entries of a
+  // const state dict lend no mutable memory.
+  std::span<ShardedTensor> tensors() noexcept [[clang::lifetimebound]] { return tensors_; }
+  std::span<ShardedParam> params() noexcept [[clang::lifetimebound]] { return params_; }
   const Values& common() const noexcept [[clang::lifetimebound]] {
     return common_;
   }
@@ -108,8 +113,13 @@ class LoadedState {
 
   bool contains(std::string_view key) const { return tensors_.contains(key) || values_.contains(key); }
   std::vector<std::string> keys() const;
-  // Throws Errc::missing_key when absent or not a tensor (value).
-  const SharedBuffer& tensor(std::string_view key) const [[clang::lifetimebound]];
+  // Throws Errc::missing_key when absent or not a tensor (value). The loaded state owns its
+  // tensors: a non-const one lends them writable (a state dict entry made from one may be loaded
+  // into), a const one only for reading (TensorRef::read_only).
+  const SharedBuffer& tensor(std::string_view key) const& [[clang::lifetimebound]];
+  SharedBuffer& tensor(std::string_view key) & [[clang::lifetimebound]];
+  // A temporary loaded state's tensors would outlive it only as dangling references.
+  const SharedBuffer& tensor(std::string_view key) const&& = delete;
   const CommonValue& value(std::string_view key) const [[clang::lifetimebound]];
   const Values& values() const noexcept [[clang::lifetimebound]] { return values_; }
 

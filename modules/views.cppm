@@ -99,15 +99,24 @@ class BasicView {
   using pointer = std::conditional_t<Mutable, void*, const void*>;
 
   constexpr BasicView() noexcept = default;
-  // Looks at memory the caller owns and keeps alive (a framework's tensor, a pinned buffer). A
-  // view does not keep anything alive: see TensorRef for what a state dict holds.
-  static BasicView borrow(pointer data, DType dtype, Extents shape, MemorySpace space = MemorySpace::host()) noexcept {
+  // Looks at memory the caller owns and keeps alive (a framework's tensor, a pinned buffer): nothing
+  // can check that `data` holds `shape` elements of `dtype` in `space`, or that it outlives the view,
+  // which is what the name says. Throws Errc::invalid_argument for a null pointer to a non-empty
+  // tensor, or one not aligned to its element in host memory. A view keeps nothing alive: see
+  // TensorRef for what a state dict holds.
+  static BasicView unchecked(pointer data, DType dtype, Extents shape, MemorySpace space = MemorySpace::host()) {
+    const auto bytes = static_cast<std::size_t>(shape.elements()) * dtype_size(dtype);
+    if (bytes != 0 && data == nullptr)
+      throw Error(Errc::invalid_argument, cat("a view of ", bytes, " bytes at a null pointer"));
+    if (space.host_accessible() && reinterpret_cast<std::uintptr_t>(data) % dtype_size(dtype) != 0)
+      throw Error(Errc::invalid_argument, cat("a ", dtype_name(dtype), " view at an address not aligned to its ",
+                                              dtype_size(dtype), "-byte elements"));
     return BasicView(static_cast<byte_type*>(data), dtype, shape, space);
   }
   operator BasicView<false>() const noexcept
     requires Mutable
   {
-    return BasicView<false>::borrow(data_, dtype_, shape_, space_);
+    return BasicView<false>(data_, dtype_, shape_, space_);
   }
 
   // The address of the first element, in the view's memory space: for a device, not an address
@@ -145,6 +154,7 @@ class BasicView {
  private:
   template <bool>
   friend class BasicView;
+  friend class HostBuffer;
   constexpr BasicView(byte_type* data, DType dtype, Extents shape, MemorySpace space) noexcept
       : data_(data), dtype_(dtype), shape_(shape), space_(space) {}
   byte_type* data_ = nullptr;
@@ -194,8 +204,10 @@ class HostBuffer {
   // An independent copy; counts as a materialization (see materialize()).
   HostBuffer deep_copy() const;
 
-  TensorView view() const& [[clang::lifetimebound]] { return TensorView::borrow(data_, dtype_, shape_); }
-  MutTensorView mut_view() & [[clang::lifetimebound]] { return MutTensorView::borrow(data_, dtype_, shape_); }
+  TensorView view() const& [[clang::lifetimebound]] { return TensorView(data_, dtype_, shape_, MemorySpace::host()); }
+  MutTensorView mut_view() & [[clang::lifetimebound]] {
+    return MutTensorView(data_, dtype_, shape_, MemorySpace::host());
+  }
   // A view of a temporary would dangle as soon as the statement ends.
   TensorView view() const&& = delete;
   MutTensorView mut_view() && = delete;
@@ -216,8 +228,32 @@ class HostBuffer {
   Extents shape_{0};
 };
 
+// Memory an allocator owns: its bytes, where they are, and (in the destructor of each kind) how they
+// are freed. Host buffers, an engine's pinned and device memory are allocations; a SharedBuffer views
+// only memory inside the allocation it shares, so an owner is never paired with memory it does not own.
+class Allocation {
+ public:
+  virtual ~Allocation() = default;
+  Allocation(const Allocation&) = delete;
+  Allocation& operator=(const Allocation&) = delete;
+  std::byte* data() const noexcept { return data_; }
+  std::size_t bytes() const noexcept { return bytes_; }
+  MemorySpace space() const noexcept { return space_; }
+
+ protected:
+  // For allocators: `bytes` at `data` in `space`, which the derived class frees.
+  Allocation(void* data, std::size_t bytes, MemorySpace space) noexcept
+      : data_(static_cast<std::byte*>(data)), bytes_(bytes), space_(space) {}
+
+ private:
+  std::byte* data_;
+  std::size_t bytes_;
+  MemorySpace space_;
+};
+
 // Shared ownership of tensor memory the library allocated (host, pinned or device): copies share
-// it, and it lives while any copy, or any TensorRef made from one, does.
+// it, and it lives while any copy, or any TensorRef made from one, does. A mutable view comes only
+// from a non-const owner.
 class SharedBuffer {
  public:
   SharedBuffer() = default;
@@ -226,62 +262,76 @@ class SharedBuffer {
   static SharedBuffer uninitialized(DType dtype, Extents shape);
   // Takes over a HostBuffer.
   explicit SharedBuffer(HostBuffer&& owner);
-  // Memory of any space whose lifetime `owner` holds (an engine's pinned or device allocation).
-  SharedBuffer(std::shared_ptr<void> owner, MutTensorView view) noexcept : owner_(std::move(owner)), view_(view) {}
+  // A tensor of `dtype` and `shape` at the start of `memory` (an engine's pinned or device
+  // allocation). Throws Errc::invalid_argument when it does not fit the allocation.
+  SharedBuffer(std::shared_ptr<Allocation> memory, DType dtype, Extents shape);
 
   TensorView view() const& [[clang::lifetimebound]] { return view_; }
-  MutTensorView mut_view() const& [[clang::lifetimebound]] { return view_; }
+  MutTensorView mut_view() & [[clang::lifetimebound]] { return view_; }
+  // A const owner lends no mutable memory.
+  MutTensorView mut_view() const& = delete;
   // A view of a temporary: the last owner could go with the statement.
   TensorView view() const&& = delete;
-  MutTensorView mut_view() const&& = delete;
+  MutTensorView mut_view() && = delete;
 
   DType dtype() const noexcept { return view_.dtype(); }
   MemorySpace space() const noexcept { return view_.space(); }
   const Extents& shape() const noexcept [[clang::lifetimebound]] { return view_.shape(); }
   std::size_t bytes() const noexcept { return view_.bytes(); }
-  explicit operator bool() const noexcept { return owner_ != nullptr; }
-  // The first bytes of the same memory as a tensor of `dtype` and `shape`, sharing ownership (a
-  // pinned byte buffer seen as a shard). Throws Errc::invalid_argument when they do not fit.
-  SharedBuffer retyped(DType dtype, Extents shape) const;
+  explicit operator bool() const noexcept { return memory_ != nullptr; }
 
  private:
   friend class TensorRef;
-  std::shared_ptr<void> owner_;
+  std::shared_ptr<Allocation> memory_;
   MutTensorView view_;
 };
 
 // The tensor memory a state dict refers to. Either shared ownership (from a SharedBuffer: the state
 // dict keeps the memory alive), or a borrow of memory someone else keeps alive, such as a
 // framework's tensor: unchecked_borrow says so in its name, because nothing can check it. A plain
-// view does not convert to a TensorRef.
+// view does not convert to a TensorRef. A TensorRef is writable (a load may fill it) only when made
+// from a non-const owner or a mutable borrow; a load refuses a read-only one before it reads a byte.
 class TensorRef {
  public:
   TensorRef() = default;
-  TensorRef(SharedBuffer buffer) noexcept
-      : keep_(std::move(buffer.owner_)), view_(buffer.view_), writable_(true), set_(true) {}
+  TensorRef(SharedBuffer& buffer) noexcept
+      : keep_(buffer.memory_), view_(buffer.view_), mutable_(buffer.view_), writable_(true) {}
+  TensorRef(SharedBuffer&& buffer) noexcept
+      : keep_(std::move(buffer.memory_)), view_(buffer.view_), mutable_(buffer.view_), writable_(true) {}
+  // A const owner lends no mutable memory: TensorRef::read_only says that the entry is for saving.
+  TensorRef(const SharedBuffer& buffer) = delete;
+  static TensorRef read_only(const SharedBuffer& buffer) noexcept {
+    TensorRef r;
+    r.keep_ = buffer.memory_;
+    r.view_ = buffer.view_;
+    return r;
+  }
   friend TensorRef unchecked_borrow(MutTensorView view) noexcept;
   friend TensorRef unchecked_borrow(TensorView view) noexcept;
 
   TensorView view() const& [[clang::lifetimebound]] { return view_; }
-  // For loads into the memory; throws Errc::invalid_argument for a read-only borrow.
-  MutTensorView mut_view() const& [[clang::lifetimebound]];
+  // For loads into the memory; throws Errc::invalid_argument for a read-only entry.
+  MutTensorView mut_view() & [[clang::lifetimebound]];
+  // A const state dict lends no mutable memory.
+  MutTensorView mut_view() const& = delete;
   TensorView view() const&& = delete;
-  MutTensorView mut_view() const&& = delete;
+  MutTensorView mut_view() && = delete;
 
   // False for a default-constructed TensorRef (a load request's entries carry none).
-  explicit operator bool() const noexcept { return set_; }
+  explicit operator bool() const noexcept { return view_.shape().rank() > 0; }
   DType dtype() const noexcept { return view_.dtype(); }
   MemorySpace space() const noexcept { return view_.space(); }
   const Extents& shape() const noexcept [[clang::lifetimebound]] { return view_.shape(); }
   // True when the state dict keeps the memory alive (not a borrow).
   bool owning() const noexcept { return keep_ != nullptr; }
+  // True when a load may fill the memory.
+  bool writable() const noexcept { return writable_; }
 
  private:
-  TensorRef(MutTensorView view, bool writable) noexcept : view_(view), writable_(writable), set_(true) {}
-  std::shared_ptr<void> keep_;
-  MutTensorView view_;
+  std::shared_ptr<Allocation> keep_;
+  TensorView view_;
+  MutTensorView mutable_;  // the same memory, when writable; empty for a read-only entry
   bool writable_ = false;
-  bool set_ = false;
 };
 
 TensorRef unchecked_borrow(MutTensorView view) noexcept;

@@ -64,15 +64,35 @@ CudaEngine::~CudaEngine() {
 
 MemorySpace CudaEngine::device() const noexcept { return MemorySpace::on_device(impl_->device); }
 
-SharedBuffer CudaEngine::allocate_pinned(std::size_t bytes) {
+namespace {
+
+// Memory of the CUDA runtime: pinned host memory (cudaFreeHost) or device memory (cudaFree on its
+// device), freed when the last SharedBuffer of it goes.
+class CudaAllocation final : public Allocation {
+ public:
+  CudaAllocation(void* p, std::size_t bytes, MemorySpace space) : Allocation(p, bytes, space) {}
+  ~CudaAllocation() override {
+    if (space().kind == MemoryKind::device) {
+      cudaSetDevice(space().device);
+      cudaFree(data());
+    } else {
+      cudaFreeHost(data());
+    }
+  }
+};
+
+}  // namespace
+
+SharedBuffer CudaEngine::allocate_pinned(DType dtype, Extents shape) {
   impl_->use();
+  const std::size_t bytes = static_cast<std::size_t>(shape.elements()) * dtype_size(dtype);
   void* p = nullptr;
   check(cudaHostAlloc(&p, std::max<std::size_t>(bytes, 1), cudaHostAllocPortable), "cudaHostAlloc");
   ++impl_->pinned_allocations;
   impl_->pinned_bytes += bytes;
   count_allocation(bytes);
-  return SharedBuffer(std::shared_ptr<void>(p, [](void* q) { cudaFreeHost(q); }),
-                      MutTensorView::borrow(p, DType::u8, {static_cast<std::int64_t>(bytes)}, MemorySpace::pinned()));
+  return SharedBuffer(std::make_shared<CudaAllocation>(p, std::max<std::size_t>(bytes, 1), MemorySpace::pinned()), dtype,
+                      shape);
 }
 
 SharedBuffer CudaEngine::allocate_device(DType dtype, Extents shape) {
@@ -83,13 +103,7 @@ SharedBuffer CudaEngine::allocate_device(DType dtype, Extents shape) {
   ++impl_->device_allocations;
   impl_->device_bytes += bytes;
   count_allocation(bytes);
-  const int id = impl_->device;
-  return SharedBuffer(std::shared_ptr<void>(p,
-                                            [id](void* q) {
-                                              cudaSetDevice(id);
-                                              cudaFree(q);
-                                            }),
-                      MutTensorView::borrow(p, dtype, shape, device()));
+  return SharedBuffer(std::make_shared<CudaAllocation>(p, std::max<std::size_t>(bytes, 1), device()), dtype, shape);
 }
 
 void CudaEngine::copy_to_host(TensorView device_src, MutTensorView host_dst) {

@@ -173,12 +173,11 @@ void fill(MutTensorView shard, std::int64_t at, std::int64_t n, std::uint64_t se
 
 // Memory for a shard in `placement`'s memory, its bytes unset.
 SharedBuffer allocate(DType dtype, const Extents& shape, const ShardMemory& placement) {
-  const std::size_t bytes = static_cast<std::size_t>(shape.elements()) * dtype_size(dtype);
   switch (placement.memory) {
     case MemoryKind::host:
       return SharedBuffer::uninitialized(dtype, shape);
     case MemoryKind::pinned:
-      return (placement.engine ? placement.engine->allocate_pinned(bytes) : allocate_locked(bytes)).retyped(dtype, shape);
+      return placement.engine ? placement.engine->allocate_pinned(dtype, shape) : allocate_locked(dtype, shape);
     case MemoryKind::device:
       require(placement.engine != nullptr, Errc::invalid_argument, "device shards need a CopyEngine");
       return placement.engine->allocate_device(dtype, shape);
@@ -187,7 +186,7 @@ SharedBuffer allocate(DType dtype, const Extents& shape, const ShardMemory& plac
 }
 
 // Puts `host` (a shard built on the host) where `to` lives.
-void place(TensorView host, const SharedBuffer& to, const ShardMemory& placement) {
+void place(TensorView host, SharedBuffer& to, const ShardMemory& placement) {
   if (to.space().host_accessible()) {
     if (!host.empty()) std::memcpy(to.mut_view().data(), host.data(), host.bytes());
     return;
@@ -366,7 +365,7 @@ Verification verify_tensors(const StateDict& filled, int rank, CopyEngine* engin
     const bool f32 = p.dtype == DType::f32;
     const Runs runs = for_each_run(p, [&](std::int64_t at, std::int64_t n, std::uint64_t seed) {
       if (!pattern) return;
-      const TensorView run = TensorView::borrow(shard.data() + at * element_bytes(p.dtype),
+      const TensorView run = TensorView::unchecked(shard.data() + at * element_bytes(p.dtype),
                                                 p.dtype, {n});
       const std::int64_t bad = f32 ? first_difference<float>(run, seed) : first_difference<bf16>(run, seed);
       if (bad >= 0) mismatch(cat(p.spec.key, ": element ", at + bad, " of the shard differs from the pattern"));

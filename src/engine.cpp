@@ -50,18 +50,35 @@ void CopyEngine::check_zero(TensorView device) const {
           " memory on ", name(), " ", memory_space_text(this->device()));
 }
 
-SharedBuffer allocate_locked(std::size_t bytes) {
+namespace {
+
+// Pages mapped for the library (locked host memory, emulated device memory), unmapped when the last
+// SharedBuffer of them goes; `on_free` runs then too.
+class MappedPages final : public Allocation {
+ public:
+  MappedPages(void* p, std::size_t size, MemorySpace space, bool locked, std::function<void()> on_free = {})
+      : Allocation(p, size, space), locked_(locked), on_free_(std::move(on_free)) {}
+  ~MappedPages() override {
+    if (locked_) ::munlock(data(), bytes());
+    ::munmap(data(), bytes());
+    if (on_free_) on_free_();
+  }
+
+ private:
+  bool locked_;
+  std::function<void()> on_free_;
+};
+
+}  // namespace
+
+SharedBuffer allocate_locked(DType dtype, Extents shape) {
+  const std::size_t bytes = static_cast<std::size_t>(shape.elements()) * dtype_size(dtype);
   const std::size_t size = round_to_pages(bytes);
   void* p = map_pages(size, PROT_READ | PROT_WRITE);
   // Best effort: without the privilege or the limit to lock it, the memory stays pageable.
   (void)::mlock(p, size);
   count_allocation(size);
-  std::shared_ptr<void> owner(p, [size](void* q) {
-    ::munlock(q, size);
-    ::munmap(q, size);
-  });
-  return SharedBuffer(std::move(owner), MutTensorView::borrow(p, DType::u8, {static_cast<std::int64_t>(bytes)},
-                                                             MemorySpace::pinned()));
+  return SharedBuffer(std::make_shared<MappedPages>(p, size, MemorySpace::pinned(), true), dtype, shape);
 }
 
 // The emulated stream: one thread runs the copies in order; fences count the work enqueued.
@@ -139,10 +156,10 @@ EmulatedDevice::~EmulatedDevice() {
 
 MemorySpace EmulatedDevice::device() const noexcept { return MemorySpace::on_device(impl_->id); }
 
-SharedBuffer EmulatedDevice::allocate_pinned(std::size_t bytes) {
+SharedBuffer EmulatedDevice::allocate_pinned(DType dtype, Extents shape) {
   ++impl_->pinned_allocations;
-  impl_->pinned_bytes += bytes;
-  return allocate_locked(bytes);
+  impl_->pinned_bytes += static_cast<std::size_t>(shape.elements()) * dtype_size(dtype);
+  return allocate_locked(dtype, shape);
 }
 
 SharedBuffer EmulatedDevice::allocate_device(DType dtype, Extents shape) {
@@ -154,11 +171,9 @@ SharedBuffer EmulatedDevice::allocate_device(DType dtype, Extents shape) {
   impl_->live_device_bytes += size;
   count_allocation(bytes);
   Impl* impl = impl_.get();
-  std::shared_ptr<void> owner(p, [size, impl](void* q) {
-    ::munmap(q, size);
-    impl->live_device_bytes -= size;
-  });
-  return SharedBuffer(std::move(owner), MutTensorView::borrow(p, dtype, shape, device()));
+  return SharedBuffer(
+      std::make_shared<MappedPages>(p, size, device(), false, [size, impl] { impl->live_device_bytes -= size; }), dtype,
+      shape);
 }
 
 void EmulatedDevice::copy_to_host(TensorView device_src, MutTensorView host_dst) {
@@ -212,11 +227,13 @@ std::size_t EmulatedDevice::free_device_memory() const {
   return (std::size_t{64} << 30) - static_cast<std::size_t>(impl_->live_device_bytes.load());
 }
 
-StagingPool::StagingPool(CopyEngine& engine, std::size_t buffer_bytes, int buffers)
-    : engine_(&engine), buffer_bytes_(buffer_bytes) {
+StagingPool::StagingPool(std::shared_ptr<CopyEngine> engine, std::size_t buffer_bytes, int buffers)
+    : engine_(std::move(engine)), buffer_bytes_(buffer_bytes) {
+  require(engine_ != nullptr, Errc::invalid_argument, "a staging pool needs a copy engine");
   require(buffer_bytes > 0 && buffers >= 1, Errc::invalid_argument, "a staging pool needs at least one buffer of ",
           "at least one byte (got ", buffers, " of ", buffer_bytes, ")");
-  for (int i = 0; i < buffers; ++i) buffers_.push_back(engine.allocate_pinned(buffer_bytes));
+  for (int i = 0; i < buffers; ++i)
+    buffers_.push_back(engine_->allocate_pinned(DType::u8, {static_cast<std::int64_t>(buffer_bytes)}));
 }
 
 std::int64_t StagingPool::rows_per_buffer(TensorView like) const {
@@ -226,15 +243,15 @@ std::int64_t StagingPool::rows_per_buffer(TensorView like) const {
   return static_cast<std::int64_t>(buffer_bytes_ / row);
 }
 
-MutTensorView StagingPool::buffer(int i) const {
+MutTensorView StagingPool::buffer(int i) {
   require(i >= 0 && i < buffers(), Errc::invalid_argument, "staging buffer ", i, " of ", buffers());
   return buffers_[static_cast<std::size_t>(i)].mut_view();
 }
 
-MutTensorView StagingPool::rows_of(int i, TensorView like, std::int64_t rows) const {
+MutTensorView StagingPool::rows_of(int i, TensorView like, std::int64_t rows) {
   require(i >= 0 && i < buffers() && rows >= 0 && rows <= rows_per_buffer(like), Errc::invalid_argument, rows,
           " rows do not fit staging buffer ", i);
-  return MutTensorView::borrow(buffers_[static_cast<std::size_t>(i)].mut_view().data(), like.dtype(),
+  return MutTensorView::unchecked(buffers_[static_cast<std::size_t>(i)].mut_view().data(), like.dtype(),
                                like.shape().with_rows(rows), MemorySpace::pinned());
 }
 

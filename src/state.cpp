@@ -106,11 +106,20 @@ std::vector<std::string> LoadedState::keys() const {
   return out;
 }
 
-const SharedBuffer& LoadedState::tensor(std::string_view key) const {
-  const auto it = tensors_.find(key);
-  require(it != tensors_.end(), Errc::missing_key, "no tensor ", key, " in the loaded state");
+namespace {
+
+template <class Map>
+auto& find_tensor(Map& tensors, std::string_view key) {
+  const auto it = tensors.find(key);
+  require(it != tensors.end(), Errc::missing_key, "no tensor ", key, " in the loaded state");
   return it->second;
 }
+
+}  // namespace
+
+const SharedBuffer& LoadedState::tensor(std::string_view key) const& { return find_tensor(tensors_, key); }
+
+SharedBuffer& LoadedState::tensor(std::string_view key) & { return find_tensor(tensors_, key); }
 
 const CommonValue& LoadedState::value(std::string_view key) const {
   const auto it = values_.find(key);

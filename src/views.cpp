@@ -78,10 +78,34 @@ HostBuffer::~HostBuffer() {
 
 HostBuffer HostBuffer::deep_copy() const { return materialize(view()); }
 
+namespace {
+
+// A HostBuffer as an allocation that SharedBuffers share.
+class HostAllocation final : public Allocation {
+ public:
+  explicit HostAllocation(HostBuffer&& owner)
+      : Allocation(owner.mut_view().data(), owner.bytes(), MemorySpace::host()), owner_(std::move(owner)) {}
+  MutTensorView view() { return owner_.mut_view(); }
+
+ private:
+  HostBuffer owner_;
+};
+
+}  // namespace
+
 SharedBuffer::SharedBuffer(HostBuffer&& owner) {
-  auto held = std::make_shared<HostBuffer>(std::move(owner));
-  view_ = held->mut_view();
-  owner_ = std::move(held);
+  auto held = std::make_shared<HostAllocation>(std::move(owner));
+  view_ = held->view();
+  memory_ = std::move(held);
+}
+
+SharedBuffer::SharedBuffer(std::shared_ptr<Allocation> memory, DType dtype, Extents shape) {
+  require(memory != nullptr, Errc::invalid_argument, "a shared buffer of no allocation");
+  const std::size_t bytes = static_cast<std::size_t>(shape.elements()) * dtype_size(dtype);
+  require(bytes <= memory->bytes(), Errc::invalid_argument, "a ", dtype_name(dtype), " tensor of shape ",
+          dims_text(shape.dims()), " (", bytes, " bytes) does not fit an allocation of ", memory->bytes(), " bytes");
+  view_ = MutTensorView::unchecked(memory->data(), dtype, shape, memory->space());
+  memory_ = std::move(memory);
 }
 
 SharedBuffer SharedBuffer::zeros(DType dtype, Extents shape) { return SharedBuffer(HostBuffer::zeros(dtype, shape)); }
@@ -90,24 +114,26 @@ SharedBuffer SharedBuffer::uninitialized(DType dtype, Extents shape) {
   return SharedBuffer(HostBuffer::uninitialized(dtype, shape));
 }
 
-SharedBuffer SharedBuffer::retyped(DType dtype, Extents shape) const {
-  const std::size_t bytes = static_cast<std::size_t>(shape.elements()) * dtype_size(dtype);
-  require(bytes <= view_.bytes(), Errc::invalid_argument, "a ", dtype_name(dtype), " tensor of shape ",
-          dims_text(shape.dims()), " does not fit a buffer of ", view_.bytes(), " bytes");
-  return SharedBuffer(owner_, MutTensorView::borrow(view_.data(), dtype, shape, view_.space()));
+
+MutTensorView TensorRef::mut_view() & {
+  require(writable_, Errc::invalid_argument,
+          "a read-only entry (TensorRef::read_only, or a borrowed TensorView) cannot be loaded into: give the "
+          "state dict a non-const SharedBuffer or borrow a MutTensorView");
+  return mutable_;
 }
 
-MutTensorView TensorRef::mut_view() const& {
-  require(writable_, Errc::invalid_argument, "a read-only borrow cannot be loaded into: borrow a MutTensorView");
-  return view_;
+TensorRef unchecked_borrow(MutTensorView view) noexcept {
+  TensorRef r;
+  r.view_ = view;
+  r.mutable_ = view;
+  r.writable_ = true;
+  return r;
 }
 
-TensorRef unchecked_borrow(MutTensorView view) noexcept { return TensorRef(view, true); }
-
-// The read-only view is held as mutable and never handed out as such (writable_ is false).
 TensorRef unchecked_borrow(TensorView view) noexcept {
-  return TensorRef(MutTensorView::borrow(const_cast<std::byte*>(view.data()), view.dtype(), view.shape(), view.space()),
-                   false);
+  TensorRef r;
+  r.view_ = view;
+  return r;
 }
 
 HostBuffer materialize(TensorView view) { return materialize(std::span<const TensorView>(&view, 1)); }

@@ -40,21 +40,20 @@ std::string no_gpu() {
 
 TEST(Cuda, CopiesAndZeroFillsRunInStreamOrder) {
   REQUIRE_GPU();
-  CudaEngine engine(0);
-  const SharedBuffer d = engine.allocate_device(DType::f32, {2, 3});
+  const auto engine = std::make_shared<CudaEngine>(0);
+  SharedBuffer d = engine->allocate_device(DType::f32, {2, 3});
   EXPECT_EQ(d.space(), MemorySpace::on_device(0));
-  const SharedBuffer pinned = engine.allocate_pinned(6 * sizeof(float));
-  const SharedBuffer typed = pinned.retyped(DType::f32, {2, 3});
+  SharedBuffer typed = engine->allocate_pinned(DType::f32, {2, 3});
   const MutTensorView host = typed.mut_view();
   for (int i = 0; i < 6; ++i) host.as<float>()[static_cast<std::size_t>(i)] = static_cast<float>(i + 1);
-  engine.copy_to_device(host, d.mut_view());
-  engine.zero(d.mut_view().slice_rows(1, 2));
+  engine->copy_to_device(host, d.mut_view());
+  engine->zero(d.mut_view().slice_rows(1, 2));
   std::vector<float> back(6, -1);
-  engine.copy_to_host(d.view(), MutTensorView::borrow(back.data(), DType::f32, {2, 3}));
-  engine.wait(engine.fence());
+  engine->copy_to_host(d.view(), MutTensorView::unchecked(back.data(), DType::f32, {2, 3}));
+  engine->wait(engine->fence());
   EXPECT_EQ(back, (std::vector<float>{1, 2, 3, 0, 0, 0}));
   EXPECT_THROW((void)d.view().as<float>(), Error);  // device bytes are not host memory
-  EXPECT_THROW(engine.copy_to_device(d.view(), d.mut_view()), Error);
+  EXPECT_THROW(engine->copy_to_device(d.view(), d.mut_view()), Error);
 }
 
 TEST(Cuda, DeviceShardsSaveWithoutDeviceMemoryAndLoadInPlace) {
@@ -63,23 +62,23 @@ TEST(Cuda, DeviceShardsSaveWithoutDeviceMemoryAndLoadInPlace) {
   const auto c = tiny_model();
   const demo::Training adam{.adam = true, .distributed = true};
   run_ranks(2, [&](ProcessGroup& g) {
-    CudaEngine engine(0);
-    const demo::ShardMemory device{MemoryKind::device, &engine};
+    const auto engine = std::make_shared<CudaEngine>(0);
+    const demo::ShardMemory device{MemoryKind::device, engine};
     demo::RankModel m = demo::build_rank(c, {1, 2, 8, 1}, g.rank(), adam, device);
-    Saver saver(g, {.engine = &engine, .staging_buffer_bytes = 64 << 10});
+    Saver saver(g, {.engine = engine, .staging_buffer_bytes = 64 << 10});
     saver.save(m.state, dir / "warm.h5");  // the CUDA context and the pool exist from here on
     g.barrier();
-    const std::size_t free_before = engine.free_device_memory();
+    const std::size_t free_before = engine->free_device_memory();
     for (int i = 0; i < 10; ++i) saver.save(m.state, dir / "a.h5");
     g.barrier();
     // Both ranks share device 0: neither allocates until both have read its free memory.
-    EXPECT_EQ(engine.free_device_memory(), free_before);
+    EXPECT_EQ(engine->free_device_memory(), free_before);
     g.barrier();
     const demo::Layout other{2, 1, 0, 1};
-    const StateDict model = demo::with_destinations(demo::request(c, other, g.rank(), adam), device);
-    const StagingPool pool(engine, 64 << 10);
-    const Values values = load_into(dir / "a.h5", model, g, {.staging = &pool});
-    const demo::Verification v = demo::verify(c, adam, g.rank(), model, values, &engine);
+    StateDict model = demo::with_destinations(demo::request(c, other, g.rank(), adam), device);
+    const auto pool = std::make_shared<StagingPool>(engine, 64 << 10);
+    const Values values = load_into(dir / "a.h5", model, g, {.staging = pool});
+    const demo::Verification v = demo::verify(c, adam, g.rank(), model, values, engine.get());
     EXPECT_EQ(v.mismatches, 0) << v.first_mismatch;
     EXPECT_GT(v.values, 0);
   });
@@ -91,16 +90,16 @@ TEST(Cuda, AsyncSaveFromTheDeviceKeepsTheWeightsAsTheyWere) {
   const auto c = tiny_model();
   const demo::Layout l{1, 2, 8, 1};
   run_ranks(2, [&](ProcessGroup& g) {
-    CudaEngine engine(0);
-    demo::RankModel m = demo::build_rank(c, l, g.rank(), {}, {MemoryKind::device, &engine});
-    Saver saver(g, {.engine = &engine});
+    const auto engine = std::make_shared<CudaEngine>(0);
+    demo::RankModel m = demo::build_rank(c, l, g.rank(), {}, {MemoryKind::device, engine});
+    Saver saver(g, {.engine = engine});
     AsyncSave pending = saver.save_async(m.state, dir / "a.h5");
-    for (const ShardedParam& p : m.state.params()) engine.zero(p.shard.mut_view());  // train on
-    engine.wait(engine.fence());
+    for (ShardedParam& p : m.state.params()) engine->zero(p.shard.mut_view());  // train on
+    engine->wait(engine->fence());
     pending.wait();
   });
   run_ranks(2, [&](ProcessGroup& g) {
-    const StateDict model = demo::with_destinations(demo::request(c, {2, 1, 0, 1}, g.rank()));
+    StateDict model = demo::with_destinations(demo::request(c, {2, 1, 0, 1}, g.rank()));
     const Values values = load_into(dir / "a.h5", model, g);
     EXPECT_EQ(demo::verify(c, {}, g.rank(), model, values).mismatches, 0);
   });

@@ -152,7 +152,7 @@ TEST(ThreadRanks, DataParallelReplicasEachWriteTheirShare) {
   for (const bool poison_own : {false, true}) {
     run_ranks(l.ranks(), [&](ProcessGroup& g) {
       demo::RankModel m = demo::build_rank(c, l, g.rank());
-      for (const ShardedParam& p : m.state.params()) {
+      for (ShardedParam& p : m.state.params()) {
         const RankPlan plan = plan_rank(p.spec, p.gtp, p.align, p.coord);
         const Range share = balanced_share(plan.real_rows, p.replicas, p.replica_id);
         const MutTensorView shard = p.shard.mut_view();
@@ -226,7 +226,7 @@ TEST(Failure, ARankThatDiesMidSaveLeavesTheEarlierCheckpointIntact) {
   for (int die_at : {1, 2, 3}) {
     const auto codes = outcomes(l.ranks(), [&](ProcessGroup& g) {
       demo::RankModel m = demo::build_rank(c, l, g.rank());
-      for (const ShardedParam& p : m.state.params())
+      for (ShardedParam& p : m.state.params())
         for (bf16& x : p.shard.mut_view().as<bf16>()) x = to_bf16(7.0f);  // a different model
       DyingGroup dying(g, g.rank() == 2 ? die_at : -1);
       save(m.state, path, dying);
@@ -378,7 +378,7 @@ ReplicaLoad load_through_replicas(const demo::ModelConfig& c, const demo::Layout
   run_ranks(l.ranks(), [&](ProcessGroup& g) {
     const demo::RankCoord at = demo::coord_of(l, g.rank());
     const std::unique_ptr<ProcessGroup> replicas = g.split(at.tp * l.gtp + at.gtp, at.dp);
-    const StateDict dst = demo::with_destinations(demo::request(c, l, g.rank(), t));
+    StateDict dst = demo::with_destinations(demo::request(c, l, g.rank(), t));
     for (const ShardedParam& p : dst.params())
       if (plan_rank(p.spec, p.gtp, p.align, p.coord).padding_only) padding_only = true;
     LoadOptions options;
@@ -527,9 +527,9 @@ TEST(ReplicaReads, ACopyThatReadsItsOwnShareFillsOnlyThoseRows) {
   save_layout(c, {2, 2, 8, 1}, {}, dir / "c.h5");
   std::int64_t untouched_rows = 0;
   for (int r = 0; r < l.ranks(); ++r) {
-    const StateDict request = demo::request(c, l, r);
+    StateDict request = demo::request(c, l, r);
     const LoadedState full = load(dir / "c.h5", request);
-    const StateDict dst = demo::with_destinations(request);
+    StateDict dst = demo::with_destinations(request);
     (void)load_into(dir / "c.h5", dst, LoadOptions{.read_own_share = true});
     for (const ShardedParam& p : dst.params()) {
       SCOPED_TRACE(cat(p.spec.key, " rank ", r));
@@ -590,5 +590,47 @@ TEST(Consistency, RanksWhoseReadersHoldDifferentFilesWithOneIdAreRefused) {
     StateDict request;
     request.add(ShardedTensor::expect("t", DType::i64, {4, 4}, {8, 4}, {4 * g.rank(), 0}));
     EXPECT_NO_THROW((void)load(a, request, g));
+  });
+}
+
+// Thread ranks that load into the same memory would fill it with each other's rows: refused on every
+// rank before anything is read.
+TEST(Consistency, ThreadRanksThatShareDestinationMemoryAreRefused) {
+  ScratchDir dir;
+  {
+    SharedBuffer b = SharedBuffer::zeros(DType::i64, {8, 4});
+    StateDict s;
+    s.add(ShardedTensor::of("t", b, {8, 4}, {0, 0}));
+    save(s, dir / "a.h5");
+  }
+  std::vector<std::int64_t> memory(16, -1);
+  std::vector<Errc> codes(2, Errc::internal);
+  try {
+    run_ranks(2, [&](ProcessGroup& g) {
+      StateDict request;  // both ranks' rows land in the same memory
+      request.add(ShardedTensor::of("t", unchecked_borrow(MutTensorView::unchecked(memory.data(), DType::i64, {4, 4})),
+                                    {8, 4}, {4 * g.rank(), 0}));
+      try {
+        (void)load_into(dir / "a.h5", request, g);
+      } catch (const Error& e) {
+        codes[static_cast<std::size_t>(g.rank())] = e.code();
+        EXPECT_TRUE(testing_support::contains(e.what(), "thread ranks of one process")) << e.what();
+      }
+    });
+  } catch (const Error& e) {
+    ADD_FAILURE() << e.what();
+  }
+  EXPECT_EQ(codes, std::vector<Errc>(2, Errc::invalid_argument));
+  EXPECT_EQ(memory, std::vector<std::int64_t>(16, -1));
+}
+
+// Thread ranks call HDF5 concurrently: without a thread-safe HDF5 they are refused, one process is not.
+TEST(Groups, ThreadRanksNeedAThreadSafeHdf5) {
+  EXPECT_TRUE(hdf5_thread_safe());  // Debian's libhdf5 is
+  SoloGroup solo;
+  EXPECT_NO_THROW(require_thread_safe_hdf5(solo, false));
+  run_ranks(2, [&](ProcessGroup& g) {
+    EXPECT_NO_THROW(require_thread_safe_hdf5(g, true));
+    EXPECT_EQ(testing_support::error_of([&] { require_thread_safe_hdf5(g, false); }).code(), Errc::invalid_argument);
   });
 }

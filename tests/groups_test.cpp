@@ -49,7 +49,7 @@ TEST(Groups, AllGatherRowsFillsEveryMembersRowsInPlace) {
     for (int i = 0; i < g.rank(); ++i) first += counts[static_cast<std::size_t>(i)];
     for (std::int64_t r = first; r < first + counts[static_cast<std::size_t>(g.rank())]; ++r)
       for (int c = 0; c < 3; ++c) rows[static_cast<std::size_t>(r * 3 + c)] = static_cast<float>(r * 10 + c);
-    const MutTensorView view = MutTensorView::borrow(rows.data(), DType::f32, {5, 3});
+    const MutTensorView view = MutTensorView::unchecked(rows.data(), DType::f32, {5, 3});
     const BufferStats before = buffer_stats();
     g.all_gather_rows(view, counts);
     EXPECT_EQ(buffer_stats().allocations, before.allocations);
@@ -62,7 +62,7 @@ TEST(Groups, BadRowCountsFailEveryMemberTheSameWay) {
   std::atomic<int> failed{0};
   run_ranks(2, [&](ProcessGroup& g) {
     std::vector<float> rows(4);
-    const MutTensorView view = MutTensorView::borrow(rows.data(), DType::f32, {4});
+    const MutTensorView view = MutTensorView::unchecked(rows.data(), DType::f32, {4});
     // Member 1's counts add up to 5 rows, not 4.
     const std::vector<std::int64_t> counts = g.rank() == 1 ? std::vector<std::int64_t>{2, 3} : std::vector<std::int64_t>{2, 2};
     try {
@@ -78,8 +78,8 @@ TEST(Groups, BadRowCountsFailEveryMemberTheSameWay) {
 }
 
 TEST(Groups, DeviceRowsAreNotForAThreadGroup) {
-  EmulatedDevice device;
-  const SharedBuffer rows = device.allocate_device(DType::f32, {2});
+  const auto device = std::make_shared<EmulatedDevice>();
+  SharedBuffer rows = device->allocate_device(DType::f32, {2});
   SoloGroup solo;
   EXPECT_FALSE(solo.moves(rows.space()));
   run_ranks(1, [&](ProcessGroup& g) {

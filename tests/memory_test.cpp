@@ -36,7 +36,7 @@ namespace {
 // Host memory seen through a CopyEngine: copies it out and in (tests only).
 std::vector<float> read_device(CopyEngine& engine, TensorView device) {
   std::vector<float> out(static_cast<std::size_t>(device.shape().elements()));
-  engine.copy_to_host(device, MutTensorView::borrow(out.data(), DType::f32, device.shape()));
+  engine.copy_to_host(device, MutTensorView::unchecked(out.data(), DType::f32, device.shape()));
   engine.wait(engine.fence());
   return out;
 }
@@ -46,7 +46,7 @@ std::int64_t host_mismatches(const demo::ModelConfig& c, const demo::Layout& l, 
                              const demo::Training& t = {}) {
   std::atomic<std::int64_t> bad{0};
   run_ranks(l.ranks(), [&](ProcessGroup& g) {
-    const StateDict model = demo::with_destinations(demo::request(c, l, g.rank(), t));
+    StateDict model = demo::with_destinations(demo::request(c, l, g.rank(), t));
     const Values values = load_into(path, model, g);
     const demo::Verification v = demo::verify(c, t, g.rank(), model, values);
     EXPECT_EQ(v.mismatches, 0) << v.first_mismatch;
@@ -62,7 +62,7 @@ class Recording final : public CopyEngine {
   explicit Recording(CopyEngine& inner) : inner_(inner) {}
   std::string_view name() const noexcept override { return "recording"; }
   MemorySpace device() const noexcept override { return inner_.device(); }
-  SharedBuffer allocate_pinned(std::size_t bytes) override { return inner_.allocate_pinned(bytes); }
+  SharedBuffer allocate_pinned(DType dtype, Extents shape) override { return inner_.allocate_pinned(dtype, shape); }
   SharedBuffer allocate_device(DType dtype, Extents shape) override { return inner_.allocate_device(dtype, shape); }
   void copy_to_host(TensorView src, MutTensorView dst) override {
     log("to_host");
@@ -101,8 +101,8 @@ class Recording final : public CopyEngine {
 
 TEST(EmulatedDevice, HostAccessToDeviceMemoryCrashes) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
-  EmulatedDevice device;
-  const SharedBuffer b = device.allocate_device(DType::f32, {4});
+  const auto device = std::make_shared<EmulatedDevice>();
+  SharedBuffer b = device->allocate_device(DType::f32, {4});
   EXPECT_DEATH(
       {
         volatile float x = *reinterpret_cast<const float*>(b.view().data());
@@ -115,82 +115,83 @@ TEST(EmulatedDevice, HostAccessToDeviceMemoryCrashes) {
 }
 
 TEST(EmulatedDevice, CopiesRoundTripInStreamOrderAndAreCounted) {
-  EmulatedDevice device(3);
-  const SharedBuffer d = device.allocate_device(DType::f32, {2, 3});
+  const auto device = std::make_shared<EmulatedDevice>(3);
+  SharedBuffer d = device->allocate_device(DType::f32, {2, 3});
   EXPECT_EQ(d.space(), MemorySpace::on_device(3));
   std::vector<float> in{1, 2, 3, 4, 5, 6};
-  device.copy_to_device(TensorView::borrow(in.data(), DType::f32, {2, 3}), d.mut_view());
-  device.zero(d.mut_view().slice_rows(1, 2));  // after the copy, on the same stream
-  EXPECT_EQ(read_device(device, d.view()), (std::vector<float>{1, 2, 3, 0, 0, 0}));
-  const EngineStats s = device.stats();
+  device->copy_to_device(TensorView::unchecked(in.data(), DType::f32, {2, 3}), d.mut_view());
+  device->zero(d.mut_view().slice_rows(1, 2));  // after the copy, on the same stream
+  EXPECT_EQ(read_device(*device, d.view()), (std::vector<float>{1, 2, 3, 0, 0, 0}));
+  const EngineStats s = device->stats();
   EXPECT_EQ(s.device_allocations, 1u);
   EXPECT_EQ(s.copies_to_device, 1u);
   EXPECT_EQ(s.copies_to_host, 1u);
   EXPECT_EQ(s.zero_fills, 1u);
   // Copies between the wrong spaces, or of different sizes, are refused.
-  EXPECT_EQ(error_of([&] { device.copy_to_device(d.view(), d.mut_view()); }).code(), Errc::invalid_argument);
-  EXPECT_EQ(error_of([&] { device.copy_to_host(d.view(), MutTensorView::borrow(in.data(), DType::f32, {5})); }).code(),
+  EXPECT_EQ(error_of([&] { device->copy_to_device(d.view(), d.mut_view()); }).code(), Errc::invalid_argument);
+  EXPECT_EQ(error_of([&] { device->copy_to_host(d.view(), MutTensorView::unchecked(in.data(), DType::f32, {5})); }).code(),
             Errc::invalid_argument);
-  EmulatedDevice other(4);
-  EXPECT_EQ(error_of([&] { other.zero(d.mut_view()); }).code(), Errc::invalid_argument);
+  const auto other = std::make_shared<EmulatedDevice>(4);
+  EXPECT_EQ(error_of([&] { other->zero(d.mut_view()); }).code(), Errc::invalid_argument);
 }
 
 // A device that runs its stream only when waited for leaves work undone until a wait asks for it,
 // and then runs exactly the work before the fence waited for.
 TEST(EmulatedDevice, WhenWaitedRunsOnlyWhatAWaitAsksFor) {
-  EmulatedDevice device(0, EmulatedDevice::Progress::when_waited);
-  const SharedBuffer d = device.allocate_device(DType::f32, {2, 3});
+  const auto device = std::make_shared<EmulatedDevice>(0, EmulatedDevice::Progress::when_waited);
+  SharedBuffer d = device->allocate_device(DType::f32, {2, 3});
   std::vector<float> in{1, 2, 3, 4, 5, 6}, out(6, -1);
-  device.copy_to_device(TensorView::borrow(in.data(), DType::f32, {2, 3}), d.mut_view());
-  const Fence copied = device.fence();
-  device.copy_to_host(d.view(), MutTensorView::borrow(out.data(), DType::f32, {2, 3}));
+  device->copy_to_device(TensorView::unchecked(in.data(), DType::f32, {2, 3}), d.mut_view());
+  const Fence copied = device->fence();
+  device->copy_to_host(d.view(), MutTensorView::unchecked(out.data(), DType::f32, {2, 3}));
   std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  EXPECT_EQ(device.stats().unfinished, 2u);
-  device.wait(copied);
-  EXPECT_EQ(device.stats().unfinished, 1u);
+  EXPECT_EQ(device->stats().unfinished, 2u);
+  device->wait(copied);
+  EXPECT_EQ(device->stats().unfinished, 1u);
   EXPECT_EQ(out, std::vector<float>(6, -1));  // the copy back waits for a wait
-  device.wait(device.fence());
-  EXPECT_EQ(device.stats().unfinished, 0u);
+  device->wait(device->fence());
+  EXPECT_EQ(device->stats().unfinished, 0u);
   EXPECT_EQ(out, in);
 }
 
 TEST(StagingPool, BuffersAreAllocatedOnceAndFitWholeRows) {
-  EmulatedDevice device;
-  const StagingPool pool(device, 4096, 2);
-  EXPECT_EQ(device.stats().pinned_allocations, 2u);
-  EXPECT_EQ(pool.bytes(), 8192u);
-  const TensorView like = TensorView::borrow(nullptr, DType::f32, {100, 10});  // 40-byte rows
-  EXPECT_EQ(pool.rows_per_buffer(like), 102);
-  EXPECT_EQ(pool.rows_of(1, like, 102).space(), MemorySpace::pinned());
-  EXPECT_EQ(error_of([&] { (void)pool.rows_of(0, like, 103); }).code(), Errc::invalid_argument);
-  const TensorView wide = TensorView::borrow(nullptr, DType::f32, {2, 2048});  // a row larger than a buffer
-  EXPECT_EQ(error_of([&] { (void)pool.rows_per_buffer(wide); }).code(), Errc::invalid_argument);
+  const auto device = std::make_shared<EmulatedDevice>();
+  const auto pool = std::make_shared<StagingPool>(device, 4096, 2);
+  EXPECT_EQ(device->stats().pinned_allocations, 2u);
+  EXPECT_EQ(pool->bytes(), 8192u);
+  std::vector<float> memory(100 * 2048);
+  const TensorView like = TensorView::unchecked(memory.data(), DType::f32, {100, 10});  // 40-byte rows
+  EXPECT_EQ(pool->rows_per_buffer(like), 102);
+  EXPECT_EQ(pool->rows_of(1, like, 102).space(), MemorySpace::pinned());
+  EXPECT_EQ(error_of([&] { (void)pool->rows_of(0, like, 103); }).code(), Errc::invalid_argument);
+  const TensorView wide = TensorView::unchecked(memory.data(), DType::f32, {2, 2048});  // a row larger than a buffer
+  EXPECT_EQ(error_of([&] { (void)pool->rows_per_buffer(wide); }).code(), Errc::invalid_argument);
 }
 
 // Device shards stream device -> pinned -> file through the saver's two buffers: the copy of the
 // next buffer is enqueued before the current one is waited for and written.
 TEST(DeviceSave, CopiesOverlapWritesThroughTwoReusedBuffers) {
   ScratchDir dir;
-  EmulatedDevice device;
-  Recording engine(device);
-  const SharedBuffer shard = device.allocate_device(DType::f32, {64, 16});  // 4 KiB
+  const auto device = std::make_shared<EmulatedDevice>();
+  const auto engine = std::make_shared<Recording>(*device);
+  SharedBuffer shard = device->allocate_device(DType::f32, {64, 16});  // 4 KiB
   std::vector<float> values(64 * 16);
   for (std::size_t i = 0; i < values.size(); ++i) values[i] = static_cast<float>(i);
-  device.copy_to_device(TensorView::borrow(values.data(), DType::f32, {64, 16}), shard.mut_view());
-  device.wait(device.fence());
+  device->copy_to_device(TensorView::unchecked(values.data(), DType::f32, {64, 16}), shard.mut_view());
+  device->wait(device->fence());
   StateDict s;
   s.add(ShardedTensor::of("t", shard, {64, 16}, {0, 0}));
   SoloGroup solo;
-  Saver saver(solo, {.engine = &engine, .staging_buffer_bytes = 512});  // 8 rows a buffer: 8 copies
-  const auto pinned = device.stats().pinned_allocations;
+  Saver saver(solo, {.engine = engine, .staging_buffer_bytes = 512});  // 8 rows a buffer: 8 copies
+  const auto pinned = device->stats().pinned_allocations;
   saver.save(s, dir / "a.h5");
-  const std::vector<std::string> calls = engine.calls();
+  const std::vector<std::string> calls = engine->calls();
   ASSERT_GE(calls.size(), 3u);
   EXPECT_EQ(calls[0], "to_host");
   EXPECT_EQ(calls[1], "to_host");  // in flight while the first buffer is written
   EXPECT_EQ(calls[2], "wait");
   EXPECT_EQ(std::count(calls.begin(), calls.end(), "to_host"), 8);
-  EXPECT_EQ(device.stats().pinned_allocations, pinned);  // the pool is reused, never grown
+  EXPECT_EQ(device->stats().pinned_allocations, pinned);  // the pool is reused, never grown
   const CheckpointReader reader(dir / "a.h5");
   HostBuffer back = HostBuffer::uninitialized(DType::f32, {64, 16});
   reader.read(reader.dataset("t"), whole_box(std::vector<std::int64_t>{64, 16}), back.mut_view());
@@ -203,16 +204,16 @@ TEST(DeviceSave, TenSavesAllocateNoDeviceMemoryAndNoMorePinnedMemory) {
   const demo::Layout l{2, 2, 8, 1};
   const demo::Training adam{.adam = true};
   run_ranks(l.ranks(), [&](ProcessGroup& g) {
-    EmulatedDevice device;
-    demo::RankModel m = demo::build_rank(c, l, g.rank(), adam, {MemoryKind::device, &device});
-    Saver saver(g, {.engine = &device, .staging_buffer_bytes = 16 << 10});
-    const std::size_t free_before = device.free_device_memory();
-    const EngineStats before = device.stats();
+    const auto device = std::make_shared<EmulatedDevice>();
+    demo::RankModel m = demo::build_rank(c, l, g.rank(), adam, {MemoryKind::device, device});
+    Saver saver(g, {.engine = device, .staging_buffer_bytes = 16 << 10});
+    const std::size_t free_before = device->free_device_memory();
+    const EngineStats before = device->stats();
     for (int i = 0; i < 10; ++i) saver.save(m.state, dir / "a.h5");
-    EXPECT_EQ(device.free_device_memory(), free_before);
-    EXPECT_EQ(device.stats().device_allocations, before.device_allocations);
-    EXPECT_EQ(device.stats().pinned_allocations, before.pinned_allocations);
-    EXPECT_GT(device.stats().bytes_to_host, before.bytes_to_host);
+    EXPECT_EQ(device->free_device_memory(), free_before);
+    EXPECT_EQ(device->stats().device_allocations, before.device_allocations);
+    EXPECT_EQ(device->stats().pinned_allocations, before.pinned_allocations);
+    EXPECT_GT(device->stats().bytes_to_host, before.bytes_to_host);
   });
   EXPECT_EQ(host_mismatches(c, {1, 4, 4, 1}, dir / "a.h5", adam), 0);
 }
@@ -222,12 +223,12 @@ TEST(DeviceSave, DeviceShardsWithoutAnEngineFailEveryRankAndWriteNothing) {
   const auto c = tiny_model();
   const demo::Layout l{1, 2, 0, 1};
   std::vector<std::optional<Errc>> codes(2);
-  EmulatedDevice device;
+  const auto device = std::make_shared<EmulatedDevice>();
   try {
     run_ranks(2, [&](ProcessGroup& g) {
       // Rank 1's shards live on the device, and its save has no engine to move them.
       const demo::ShardMemory where =
-          g.rank() == 1 ? demo::ShardMemory{MemoryKind::device, &device} : demo::ShardMemory{};
+          g.rank() == 1 ? demo::ShardMemory{MemoryKind::device, device} : demo::ShardMemory{};
       demo::RankModel m = demo::build_rank(c, l, g.rank(), {}, where);
       try {
         save(m.state, dir / "a.h5", g);
@@ -255,24 +256,24 @@ TEST(LoadInPlace, FillsDeviceShardsThroughThePoolAndAllocatesNothing) {
   std::atomic<std::int64_t> pad_rows{0}, zero_fills{0};
   run_ranks(l.ranks(), [&](ProcessGroup& g) {
     // Its stream runs only what a wait asks for: the load must wait for everything it enqueued.
-    EmulatedDevice device(0, EmulatedDevice::Progress::when_waited);
-    const StagingPool pool(device, 4096);
-    const StateDict model =
-        demo::with_destinations(demo::request(c, l, g.rank(), adam), {MemoryKind::device, &device});
+    const auto device = std::make_shared<EmulatedDevice>(0, EmulatedDevice::Progress::when_waited);
+    const auto pool = std::make_shared<StagingPool>(device, 4096);
+    StateDict model =
+        demo::with_destinations(demo::request(c, l, g.rank(), adam), {MemoryKind::device, device});
     g.barrier();
     const BufferStats before = buffer_stats();
-    const EngineStats engine_before = device.stats();
-    const Values values = load_into(dir / "a.h5", model, g, {.staging = &pool});
+    const EngineStats engine_before = device->stats();
+    const Values values = load_into(dir / "a.h5", model, g, {.staging = pool});
     g.barrier();
     // No rank allocates between the barriers, so the process-wide count is exact.
     const BufferStats after = buffer_stats();
     g.barrier();
     EXPECT_EQ(after.allocations, before.allocations);
-    EXPECT_EQ(device.stats().device_allocations, engine_before.device_allocations);
-    EXPECT_EQ(device.stats().pinned_allocations, engine_before.pinned_allocations);
-    zero_fills += static_cast<std::int64_t>(device.stats().zero_fills - engine_before.zero_fills);
-    EXPECT_EQ(device.stats().unfinished, 0u);
-    const demo::Verification v = demo::verify(c, adam, g.rank(), model, values, &device);
+    EXPECT_EQ(device->stats().device_allocations, engine_before.device_allocations);
+    EXPECT_EQ(device->stats().pinned_allocations, engine_before.pinned_allocations);
+    zero_fills += static_cast<std::int64_t>(device->stats().zero_fills - engine_before.zero_fills);
+    EXPECT_EQ(device->stats().unfinished, 0u);
+    const demo::Verification v = demo::verify(c, adam, g.rank(), model, values, device.get());
     EXPECT_EQ(v.mismatches, 0) << v.first_mismatch;
     pad_rows += v.pad_rows;
   });
@@ -295,20 +296,20 @@ TEST(LoadInPlace, ReturnsOnceEveryDeviceWriteHasLanded) {
   ShardedParam last{spec, 4, 8, {0, 3}, DType::f32};
   ASSERT_TRUE(plan_rank(last.spec, last.gtp, last.align, last.coord).padding_only);
   for (const auto progress : {EmulatedDevice::Progress::eager, EmulatedDevice::Progress::when_waited}) {
-    EmulatedDevice device(0, progress);
-    const StagingPool pool(device, 4096);
-    const SharedBuffer shard = device.allocate_device(DType::f32, last.shard_shape());
+    const auto device = std::make_shared<EmulatedDevice>(0, progress);
+    const auto pool = std::make_shared<StagingPool>(device, 4096);
+    SharedBuffer shard = device->allocate_device(DType::f32, last.shard_shape());
     StateDict state;
     ShardedParam p = last;
     p.shard = shard;
     state.add(p);
-    (void)load_into(dir / "a.h5", state, {.staging = &pool});
-    EXPECT_EQ(device.stats().unfinished, 0u);
-    EXPECT_EQ(device.stats().zero_fills, 1u);
+    (void)load_into(dir / "a.h5", state, {.staging = pool});
+    EXPECT_EQ(device->stats().unfinished, 0u);
+    EXPECT_EQ(device->stats().zero_fills, 1u);
     HostBuffer back = HostBuffer::uninitialized(DType::f32, last.shard_shape());
     std::memset(back.mut_view().data(), 0xff, back.bytes());
-    device.copy_to_host(shard.view(), back.mut_view());
-    device.wait(device.fence());
+    device->copy_to_host(shard.view(), back.mut_view());
+    device->wait(device->fence());
     for (float v : back.view().as<float>()) ASSERT_EQ(v, 0.0f);
   }
 }
@@ -318,8 +319,8 @@ TEST(LoadInPlace, DeviceDestinationsWithoutAPoolAreRefused) {
   const auto c = tiny_model();
   demo::RankModel m = demo::build_rank(c, {1, 1, 0, 1}, 0);
   save(m.state, dir / "a.h5");
-  EmulatedDevice device;
-  const StateDict model = demo::with_destinations(demo::request(c, {1, 1, 0, 1}, 0), {MemoryKind::device, &device});
+  const auto device = std::make_shared<EmulatedDevice>();
+  StateDict model = demo::with_destinations(demo::request(c, {1, 1, 0, 1}, 0), {MemoryKind::device, device});
   const Error e = error_of([&] { (void)load_into(dir / "a.h5", model); });
   EXPECT_EQ(e.code(), Errc::invalid_argument);
   EXPECT_NE(std::string(e.what()).find("needs LoadOptions::staging"), std::string::npos) << e.what();
@@ -345,20 +346,20 @@ TEST(AsyncSave, ReturnsOnceStagedAndSavesTheWeightsAsTheyWere) {
   const demo::Layout l{2, 2, 8, 1};
   for (const bool on_device : {false, true}) {
     run_ranks(l.ranks(), [&](ProcessGroup& g) {
-      EmulatedDevice device;
-      const demo::ShardMemory where = on_device ? demo::ShardMemory{MemoryKind::device, &device} : demo::ShardMemory{};
+      const auto device = std::make_shared<EmulatedDevice>();
+      const demo::ShardMemory where = on_device ? demo::ShardMemory{MemoryKind::device, device} : demo::ShardMemory{};
       demo::RankModel m = demo::build_rank(c, l, g.rank(), {}, where);
-      Saver saver(g, {.engine = on_device ? &device : nullptr});
+      Saver saver(g, {.engine = on_device ? device : nullptr});
       AsyncSave pending = saver.save_async(m.state, dir / "a.h5");
       // Train on: every shard is overwritten while the save is in flight.
-      for (const ShardedParam& p : m.state.params()) {
+      for (ShardedParam& p : m.state.params()) {
         if (on_device) {
-          device.zero(p.shard.mut_view());
+          device->zero(p.shard.mut_view());
         } else if (!p.shard.view().empty()) {
           std::memset(p.shard.mut_view().data(), 0x7f, p.shard.view().bytes());
         }
       }
-      device.wait(device.fence());
+      device->wait(device->fence());
       pending.wait();
       EXPECT_TRUE(pending.done());
       EXPECT_GT(saver.staging_bytes(), 0u);
@@ -437,4 +438,22 @@ TEST(AsyncSave, OneSaveInFlightPerSaver) {
   });
   EXPECT_EQ(host_mismatches(c, {2, 1, 0, 1}, dir / "a.h5"), 0);
   EXPECT_EQ(host_mismatches(c, {2, 1, 0, 1}, dir / "b.h5"), 0);
+}
+
+// A staging pool shares its engine: the engine lives while the pool does, whoever made it.
+TEST(StagingPool, KeepsItsEngineAlive) {
+  std::weak_ptr<EmulatedDevice> seen;
+  std::shared_ptr<StagingPool> pool;
+  {
+    const auto device = std::make_shared<EmulatedDevice>();
+    seen = device;
+    pool = std::make_shared<StagingPool>(device, 4096, 2);
+  }
+  EXPECT_FALSE(seen.expired());
+  SharedBuffer d = pool->engine().allocate_device(DType::u8, {4096});
+  pool->engine().copy_to_device(pool->buffer(0), d.mut_view());
+  pool->engine().wait(pool->engine().fence());
+  pool.reset();
+  d = SharedBuffer();
+  EXPECT_TRUE(seen.expired());
 }

@@ -79,7 +79,7 @@ TEST(Mpi, ReplicasShareWritesAndReadsAndTheDistributedOptimizerReshards) {
   demo::RankModel m = demo::build_rank(c, {1, 2, 8, 2}, group.rank(), adam);
   save(m.state, file, group);
   const demo::Layout l{2, 1, 0, 2};
-  const StateDict model = demo::with_destinations(demo::request(c, l, group.rank(), adam));
+  StateDict model = demo::with_destinations(demo::request(c, l, group.rank(), adam));
   const demo::RankCoord at = demo::coord_of(l, group.rank());
   const std::unique_ptr<ProcessGroup> replicas = group.split(at.tp * l.gtp + at.gtp, at.dp);
   const Values values = load_into(file, model, group, {}, replicas.get());

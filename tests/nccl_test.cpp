@@ -50,18 +50,18 @@ TEST(Nccl, DeviceShardsSaveAndLoadInPlaceOverNccl) {
     EXPECT_EQ(group.broadcast(mine, 0)[1], std::byte(7));
     group.barrier();
 
-    CudaEngine engine(group.rank());
-    const demo::ShardMemory device{MemoryKind::device, &engine};
+    const auto engine = std::make_shared<CudaEngine>(group.rank());
+    const demo::ShardMemory device{MemoryKind::device, engine};
     demo::RankModel m = demo::build_rank(c, {1, ranks, 8, 1}, group.rank(), adam, device);
-    Saver saver(group, {.engine = &engine, .staging_buffer_bytes = 1 << 20});
+    Saver saver(group, {.engine = engine, .staging_buffer_bytes = 1 << 20});
     saver.save(m.state, dir / "nccl.h5");
 
     const demo::Layout at{1, 1, 0, ranks};
-    const StateDict model = demo::with_destinations(demo::request(c, at, group.rank(), adam), device);
+    StateDict model = demo::with_destinations(demo::request(c, at, group.rank(), adam), device);
     const std::unique_ptr<ProcessGroup> replicas = group.split(0, group.rank());
-    const StagingPool pool(engine, 1 << 20);
-    const Values values = load_into(dir / "nccl.h5", model, group, {.staging = &pool}, replicas.get());
-    const demo::Verification v = demo::verify(c, adam, group.rank(), model, values, &engine);
+    const auto pool = std::make_shared<StagingPool>(engine, 1 << 20);
+    const Values values = load_into(dir / "nccl.h5", model, group, {.staging = pool}, replicas.get());
+    const demo::Verification v = demo::verify(c, adam, group.rank(), model, values, engine.get());
     EXPECT_EQ(v.mismatches, 0) << v.first_mismatch;
     EXPECT_GT(v.values, 0);
   });

@@ -213,7 +213,7 @@ TEST(Save, ReferenceCasePiecesAreThePlainTpChunksAndLoadsGiveThePaddedTpLocalTen
             [&](ProcessGroup& g) { save(models[static_cast<std::size_t>(g.rank())].state, dir / "ref.h5", g); });
   for (int r = 0; r < gtp.ranks(); ++r) {
     const demo::RankCoord at = demo::coord_of(gtp, r);
-    const StateDict dst = demo::with_destinations(demo::request(c, gtp, r));
+    StateDict dst = demo::with_destinations(demo::request(c, gtp, r));
     (void)load_into(dir / "ref.h5", dst);
     for (std::size_t p = 0; p < specs.size(); ++p) {
       SCOPED_TRACE(cat(specs[p].key, " rank ", r));
@@ -281,7 +281,7 @@ TEST(Load, AllocatesOnlyTheDestinationsAndLoadIntoAllocatesNothing) {
   bool padding_only = false;
   for (int r = 0; r < l.ranks(); ++r) {
     SCOPED_TRACE(cat("rank ", r));
-    const StateDict request = demo::request(c, l, r, adam);
+    StateDict request = demo::request(c, l, r, adam);
     std::uint64_t tensors = 0, bytes = 0;
     for (const ShardedParam& p : request.params()) {
       const std::uint64_t b = static_cast<std::uint64_t>(p.shard_shape().elements()) * dtype_size(p.dtype);
@@ -298,7 +298,7 @@ TEST(Load, AllocatesOnlyTheDestinationsAndLoadIntoAllocatesNothing) {
       EXPECT_EQ(after.bytes - before.bytes, bytes);
       EXPECT_EQ(demo::verify(c, adam, r, request, s).mismatches, 0);
     }
-    const StateDict dst = demo::with_destinations(request);
+    StateDict dst = demo::with_destinations(request);
     before = buffer_stats();
     const Values v = load_into(dir / "a.h5", dst);
     EXPECT_EQ(buffer_stats().allocations, before.allocations);
@@ -310,7 +310,7 @@ TEST(Load, AllocatesOnlyTheDestinationsAndLoadIntoAllocatesNothing) {
   EXPECT_TRUE(padding_only);
   // The local path at the saving layout: the same.
   for (int r = 0; r < saved.ranks(); ++r) {
-    const StateDict dst = demo::with_destinations(demo::request(c, saved, r, adam));
+    StateDict dst = demo::with_destinations(demo::request(c, saved, r, adam));
     const BufferStats before = buffer_stats();
     const Values v = load_local_into(dir / ("local" + std::to_string(r) + ".h5"), dst);
     EXPECT_EQ(buffer_stats().allocations, before.allocations) << r;
@@ -537,7 +537,7 @@ TEST_P(SeedScale, FullPartlyPaddedAndPaddingOnlyRanksRoundTripOnTheGlobalPath) {
   for (int g : {0, 1, 40, 61, 62, 63}) check(g, load(dir / "seed.h5", request(g), {method()}));
   for (int g : {0, 62, 63}) {
     std::vector<SharedBuffer> keep;
-    const StateDict dst = poisoned(g, keep);
+    StateDict dst = poisoned(g, keep);
     const Values v = load_into(dir / "seed.h5", dst, {method()});
     check(g, dst, v);
   }
@@ -551,7 +551,7 @@ TEST_P(SeedScale, FullPartlyPaddedAndPaddingOnlyRanksRoundTripOnTheLocalPath) {
     save_local(r.state, file, method());
     check(g, load_local(file, request(g), {method()}));
     std::vector<SharedBuffer> keep;
-    const StateDict dst = poisoned(g, keep);
+    StateDict dst = poisoned(g, keep);
     const Values v = load_local_into(file, dst, {method()});
     check(g, dst, v);
   }
@@ -585,7 +585,7 @@ TEST_P(SeedScale, PaddingOnlyRankIsRebuiltFromTheRequestAndMergedAgainstTheCompl
     const auto load_at = [&](const StateDict& request) {
       return local_path ? load_local(file, request, {method()}) : load(file, request, {method()});
     };
-    const auto load_into_at = [&](const StateDict& state) {
+    const auto load_into_at = [&](StateDict& state) {
       return local_path ? load_local_into(file, state, {method()}) : load_into(file, state, {method()});
     };
     try {
@@ -596,7 +596,7 @@ TEST_P(SeedScale, PaddingOnlyRankIsRebuiltFromTheRequestAndMergedAgainstTheCompl
       // With the other factory, into memory the load allocates and into poisoned destinations.
       check(63, load_at(request(63)));
       std::vector<SharedBuffer> keep;
-      const StateDict dst = poisoned(63, keep);
+      StateDict dst = poisoned(63, keep);
       check(63, dst, load_into_at(dst));
     } catch (const Error& e) {  // reported for each path
       ADD_FAILURE() << errc_name(e.code()) << ": " << e.what();
@@ -689,7 +689,7 @@ TEST(Load, ReadsAroundThePageCacheOnlyWhenAskedTo) {
   if (!testing_support::direct_io_possible(dir / "a.h5")) GTEST_SKIP() << "this file system refuses O_DIRECT";
   const std::size_t pages = (std::filesystem::file_size(dir / "a.h5") + 4095) / 4096;
   ASSERT_GT(pages, 1000u);  // tensor data, not metadata, makes up the file
-  const StateDict request = demo::request(c, l, 0), model = demo::with_destinations(request);
+  StateDict request = demo::request(c, l, 0), model = demo::with_destinations(request);
   const auto check = [&](const demo::Verification& v) {
     EXPECT_EQ(v.mismatches, 0) << v.first_mismatch;
     EXPECT_GT(v.values, 0);
@@ -711,4 +711,39 @@ TEST(Load, ReadsAroundThePageCacheOnlyWhenAskedTo) {
       check(demo::verify(c, {}, 0, request, load(dir / "a.h5", request, options)));
     }));
   }
+}
+
+// A load checks every destination before it reads a byte: a read-only entry, or two entries whose
+// memory overlaps, is a typed error naming the keys, and nothing is loaded into the others.
+TEST(Load, ReadOnlyOrOverlappingDestinationsAreRefusedBeforeAnyRead) {
+  ScratchDir dir;
+  {
+    StateDict s;
+    SharedBuffer a = SharedBuffer::zeros(DType::f32, {4, 2}), b = SharedBuffer::zeros(DType::f32, {4, 2});
+    for (float& x : a.mut_view().as<float>()) x = 1;
+    for (float& x : b.mut_view().as<float>()) x = 2;
+    s.add(ShardedTensor::of("a", a, {4, 2}, {0, 0}));
+    s.add(ShardedTensor::of("b", b, {4, 2}, {0, 0}));
+    save(s, dir / "c.h5");
+  }
+  SharedBuffer first = SharedBuffer::zeros(DType::f32, {4, 2});
+  const SharedBuffer second = SharedBuffer::zeros(DType::f32, {4, 2});
+  StateDict read_only;
+  read_only.add(ShardedTensor::of("a", first, {4, 2}, {0, 0}));
+  read_only.add(ShardedTensor::of("b", TensorRef::read_only(second), {4, 2}, {0, 0}));
+  const Error e = error_of([&] { (void)load_into(dir / "c.h5", read_only); });
+  EXPECT_EQ(e.code(), Errc::invalid_argument);
+  EXPECT_TRUE(testing_support::contains(e.what(), "tensor b")) << e.what();
+  for (float x : first.view().as<float>()) EXPECT_EQ(x, 0.0f);  // not even `a` was read
+  // Two entries over the same memory (the second half of one is the first half of the other).
+  std::vector<float> memory(12, -1);
+  StateDict overlapping;
+  overlapping.add(ShardedTensor::of(
+      "a", unchecked_borrow(MutTensorView::unchecked(memory.data(), DType::f32, {4, 2})), {4, 2}, {0, 0}));
+  overlapping.add(ShardedTensor::of(
+      "b", unchecked_borrow(MutTensorView::unchecked(memory.data() + 4, DType::f32, {4, 2})), {4, 2}, {0, 0}));
+  const Error o = error_of([&] { (void)load_into(dir / "c.h5", overlapping); });
+  EXPECT_EQ(o.code(), Errc::invalid_argument);
+  EXPECT_TRUE(testing_support::contains(o.what(), "destinations of a and b share 16 bytes")) << o.what();
+  EXPECT_EQ(memory, std::vector<float>(12, -1));
 }

@@ -5,6 +5,8 @@
 #include <concepts>
 #include <cstdint>
 #include <limits>
+#include <memory>
+#include <vector>
 #include <type_traits>
 #include <utility>
 import shardckpt.core;
@@ -106,4 +108,42 @@ TEST(Materialize, ForbiddenMaterializationIsCaught) {
   EXPECT_FALSE(materialization_forbidden());
   EXPECT_EQ(materialization_count(), before);
   EXPECT_NO_THROW((void)materialize(a.view()));
+}
+
+// Ownership the types cannot check is checked when it is made: a view of a raw pointer (named
+// unchecked) refuses a null or misaligned pointer, a shared buffer refuses a shape its allocation
+// does not hold, and a read-only entry refuses to lend mutable memory.
+TEST(Ownership, WhatTheTypesCannotCheckIsCheckedWhenMade) {
+  std::vector<float> memory(8);
+  EXPECT_EQ(TensorView::unchecked(memory.data(), DType::f32, {2, 4}).rows(), 2);
+  Error e(Errc::internal, "");
+  try {
+    (void)TensorView::unchecked(nullptr, DType::f32, {2, 4});
+  } catch (const Error& caught) {
+    e = caught;
+  }
+  EXPECT_EQ(e.code(), Errc::invalid_argument);
+  EXPECT_NO_THROW((void)TensorView::unchecked(nullptr, DType::f32, {0, 4}));  // nothing to point at
+  const auto* misaligned = reinterpret_cast<const std::byte*>(memory.data()) + 2;
+  EXPECT_THROW((void)TensorView::unchecked(misaligned, DType::f32, {1}), Error);
+  EXPECT_NO_THROW((void)TensorView::unchecked(misaligned, DType::u8, {1}));
+
+  struct Fixed final : Allocation {
+    explicit Fixed(std::vector<float>& v) : Allocation(v.data(), v.size() * sizeof(float), MemorySpace::host()) {}
+  };
+  const auto alloc = std::make_shared<Fixed>(memory);
+  EXPECT_EQ(SharedBuffer(alloc, DType::f32, {2, 4}).bytes(), 32u);
+  EXPECT_THROW(SharedBuffer(alloc, DType::f32, {3, 4}), Error);  // 48 bytes in an allocation of 32
+
+  SharedBuffer owner = SharedBuffer::zeros(DType::f32, {4});
+  TensorRef writable = owner;
+  EXPECT_TRUE(writable.writable());
+  EXPECT_NO_THROW((void)writable.mut_view());
+  TensorRef saved = TensorRef::read_only(static_cast<const SharedBuffer&>(owner));
+  EXPECT_FALSE(saved.writable());
+  EXPECT_TRUE(saved.owning());
+  EXPECT_THROW((void)saved.mut_view(), Error);
+  TensorRef borrowed = unchecked_borrow(static_cast<const SharedBuffer&>(owner).view());
+  EXPECT_FALSE(borrowed.writable());
+  EXPECT_THROW((void)borrowed.mut_view(), Error);
 }

@@ -58,7 +58,7 @@ void save(const std::string& path) {
     sc::StateDict state;  // shares the ownership of this rank's shards
     for (const sc::ParamSpec& spec : model(tp)) {
       sc::ShardedParam p = param(spec, gtp, align, coord);
-      const sc::SharedBuffer shard = sc::SharedBuffer::zeros(p.dtype, p.shard_shape());
+      sc::SharedBuffer shard = sc::SharedBuffer::zeros(p.dtype, p.shard_shape());
       const auto values = shard.mut_view().as<float>();
       for_each_row(p, [&](const sc::Piece& piece, std::int64_t shard_row, std::int64_t row, std::int64_t col0,
                           std::int64_t cols) {

@@ -2,10 +2,11 @@
 // Adam state live in device memory the trainer allocated; every 10 steps a Saver saves them in the
 // background while training goes on; a restart at another layout loads them in place into the new
 // job's own device tensors. The device here is emulated (its memory is unreadable from the host, as
-// a GPU's is); on a GPU it is `sc::CudaEngine engine(local_rank);` from `import shardckpt.cuda;`.
+// a GPU's is); on a GPU it is `std::make_shared<sc::CudaEngine>(local_rank)` from `import shardckpt.cuda;`.
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
+#include <memory>
 #include <optional>
 #include <string>
 #include <variant>
@@ -43,8 +44,8 @@ sc::StateDict state_of(const std::vector<sc::ShardedParam>& tensors, std::int64_
 }
 
 // A stand-in for a training step: every element of every tensor becomes `step`.
-void train_step(sc::CopyEngine& device, const std::vector<sc::ShardedParam>& tensors, std::int64_t step) {
-  for (const sc::ShardedParam& p : tensors) {
+void train_step(sc::CopyEngine& device, std::vector<sc::ShardedParam>& tensors, std::int64_t step) {
+  for (sc::ShardedParam& p : tensors) {
     sc::HostBuffer values = sc::HostBuffer::zeros(p.dtype, p.shard_shape());
     if (p.dtype == sc::DType::f32)
       for (float& x : values.mut_view().as<float>()) x = static_cast<float>(step);
@@ -58,12 +59,12 @@ void train_step(sc::CopyEngine& device, const std::vector<sc::ShardedParam>& ten
 void train(const char* path) {
   const std::int64_t tp = 2, gtp = 2;
   sc::run_ranks(tp * gtp, [&](sc::ProcessGroup& group) {
-    sc::EmulatedDevice device;
-    const auto tensors = model(device, in_proj(tp, gtp, 16, {.tp_rank = group.rank() / gtp, .gtp_rank = group.rank() % gtp}));
-    sc::Saver saver(group, {.engine = &device});
+    const auto device = std::make_shared<sc::EmulatedDevice>();
+    auto tensors = model(*device, in_proj(tp, gtp, 16, {.tp_rank = group.rank() / gtp, .gtp_rank = group.rank() % gtp}));
+    sc::Saver saver(group, {.engine = device});  // the saver shares the ownership of the engine
     std::optional<sc::AsyncSave> pending;
     for (std::int64_t step = 1; step <= 30; ++step) {
-      train_step(device, tensors, step);
+      train_step(*device, tensors, step);
       if (step % 10 != 0) continue;
       if (pending) pending->wait();  // the previous checkpoint is committed (or this throws)
       // Returns once the shards are staged in pinned memory: the next step may change them.
@@ -77,18 +78,19 @@ void train(const char* path) {
 std::int64_t restart(const char* path) {
   std::atomic<std::int64_t> wrong{0}, step{0};
   sc::run_ranks(2, [&](sc::ProcessGroup& group) {
-    sc::EmulatedDevice device;
-    const auto tensors = model(device, in_proj(1, 2, 8, {.tp_rank = 0, .gtp_rank = group.rank()}));
+    const auto device = std::make_shared<sc::EmulatedDevice>();
+    const auto tensors = model(*device, in_proj(1, 2, 8, {.tp_rank = 0, .gtp_rank = group.rank()}));
     sc::StateDict state;
     for (const sc::ShardedParam& p : tensors) state.add(p);
-    const sc::StagingPool pool(device, std::size_t{1} << 20);  // device rows go through pinned memory
-    const sc::Values values = sc::load_into(path, state, group, {.staging = &pool});
+    // Device rows go through pinned memory; the pool shares the ownership of its engine.
+    const auto pool = std::make_shared<sc::StagingPool>(device, std::size_t{1} << 20);
+    const sc::Values values = sc::load_into(path, state, group, {.staging = pool});
     if (group.rank() == 0) step = std::get<std::int64_t>(values.at("optimizer.step"));
     // Check the fp32 master weights: every real element is 30, every pad element 0.
     const sc::ShardedParam& master = tensors.back();
     sc::HostBuffer back = sc::HostBuffer::uninitialized(master.dtype, master.shard_shape());
-    device.copy_to_host(master.shard.view(), back.mut_view());
-    device.wait(device.fence());
+    device->copy_to_host(master.shard.view(), back.mut_view());
+    device->wait(device->fence());
     const std::int64_t real = sc::plan_rank(master.spec, master.gtp, master.align, master.coord).real_rows;
     const auto v = back.view().as<float>();
     for (std::size_t i = 0; i < v.size(); ++i)

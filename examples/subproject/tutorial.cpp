@@ -25,7 +25,7 @@ void save_original(const char* path) {
     sc::ShardedParam p = in_proj(tp, gtp, 16, {.tp_rank = group.rank() / gtp, .gtp_rank = group.rank() % gtp});
     // This rank's padded shard: real rows first, zero pad rows at the tail. The state dict shares
     // its ownership, so the memory lives as long as either of them.
-    const sc::SharedBuffer shard = sc::SharedBuffer::zeros(p.dtype, p.shard_shape());
+    sc::SharedBuffer shard = sc::SharedBuffer::zeros(p.dtype, p.shard_shape());
     const auto values = shard.mut_view().as<float>();
     const sc::RankPlan plan = sc::plan_rank(p.spec, p.gtp, p.align, p.coord);
     // Each piece is a run of shard rows that lands in one block's dataset, at a global offset.
@@ -47,8 +47,8 @@ void reshard(const char* from, const char* to) {
     sc::ShardedParam p = in_proj(tp, gtp, 8, {.tp_rank = 0, .gtp_rank = group.rank()});
     sc::StateDict request;
     request.add(p);  // no data: what this rank holds at the new layout
-    const sc::LoadedState loaded = sc::load(from, request, group);
-    p.shard = loaded.tensor(p.spec.key);
+    sc::LoadedState loaded = sc::load(from, request, group);  // owns the loaded shards
+    p.shard = loaded.tensor(p.spec.key);                        // the state dict shares them
     sc::StateDict state;
     state.add(p);
     state.add_common("step", loaded.value("step"));

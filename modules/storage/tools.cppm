@@ -50,6 +50,9 @@ AdoptReport adopt(const std::filesystem::path& plain, const std::filesystem::pat
 std::string records_json(const std::vector<ParamRecord>& records);
 std::vector<ParamRecord> parse_records(std::string_view json_text);
 
+// Whether the HDF5 library this process uses is built thread-safe (H5is_library_threadsafe).
+bool hdf5_thread_safe() noexcept;
+
 // Reads every byte of every tensor of the checkpoint and checks it against its checksum.
 // `progress(bytes_done, bytes_total)` is called as it goes.
 VerifyReport verify_checkpoint(const CheckpointReader& reader,

@@ -63,7 +63,7 @@ Saved save_model(const DemoFlags& f, const demo::ModelConfig& config, const demo
     const auto phase = [&](SavePhase p) {
       if (f.phases) std::fprintf(stderr, "shardckpt: save phase: %s\n", std::string(save_phase_name(p)).c_str());
     };
-    Saver saver(group, {.engine = device.engine.get(),
+    Saver saver(group, {.engine = device.engine,
                         .staging_buffer_bytes = staging_buffer_bytes(rank.shard_bytes),
                         .save = {.method = method_of(f.method),
                                  .checksums = !f.no_checksums,
@@ -111,13 +111,13 @@ Checked load_and_check(const DemoFlags& f, const CheckpointReader& reader, const
     const RankDevice device =
         open_device(f.device.device, group.rank(), demo::model_bytes(config, training) / layout.ranks());
     // The model's own tensors, where they live, filled in place.
-    const StateDict model =
+    StateDict model =
         demo::with_destinations(demo::request(config, layout, group.rank(), training), device.placement);
     const std::unique_ptr<ProcessGroup> replicas = replica_group(group, layout);
     const Values values = load_into(reader, model, group,
                                     {.method = method_of(f.method),
                                      .progress = progress.callback(),
-                                     .staging = device.staging()},
+                                     .staging = device.pool},
                                     replicas.get());
     group.barrier();
     const demo::Verification v = demo::verify(config, training, group.rank(), model, values, device.engine.get());

@@ -57,7 +57,7 @@ Outcome run(const LoadFlags& f, const demo::Layout& layout, const CheckpointRead
   const auto t0 = std::chrono::steady_clock::now();
   run_job(f.layout.mpi, layout.ranks(), [&](ProcessGroup& group) {
     const RankDevice device = open_device(f.device.device, group.rank(), model / layout.ranks());
-    const StateDict model =
+    StateDict model =
         demo::with_destinations(request_of(reader, layout, group.rank(), f.distributed), device.placement);
     const std::unique_ptr<ProcessGroup> replicas = replica_group(group, layout);
     (void)load_into(reader, model, group,
@@ -65,7 +65,7 @@ Outcome run(const LoadFlags& f, const demo::Layout& layout, const CheckpointRead
                      .verify_checksums = !f.no_checksums,
                      .expect_id = reader.contents().id,
                      .progress = progress.callback(),
-                     .staging = device.staging(),
+                     .staging = device.pool,
                      .bypass_page_cache = f.bypass_page_cache},
                     replicas.get());
     group.barrier();

@@ -48,7 +48,7 @@ Runner add_reshard(CLI::App& app, Global& global) {
         StateDict state;
         for (const ShardedParam& p : request.params()) {
           ShardedParam entry = p;
-          entry.shard = loaded.tensor(p.spec.key);
+          entry.shard = TensorRef::read_only(loaded.tensor(p.spec.key));
           state.add(std::move(entry));
         }
         for (const auto& [key, value] : loaded.values()) state.add_common(key, value);

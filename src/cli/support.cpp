@@ -119,19 +119,19 @@ RankDevice open_device(const std::string& device, int rank, std::int64_t rank_by
     return out;
   }
   if (device == "emulated") {
-    out.engine = std::make_unique<EmulatedDevice>();
+    out.engine = std::make_shared<EmulatedDevice>();
   } else {
 #ifdef SHARDCKPT_HAVE_CUDA
     const int devices = CudaEngine::devices();
     require(devices > 0, Errc::device, "--device cuda: no CUDA device is available");
-    out.engine = std::make_unique<CudaEngine>(rank % devices);
+    out.engine = std::make_shared<CudaEngine>(rank % devices);
 #else
     (void)rank;
     throw Error(Errc::device, "--device cuda: this build has no CUDA support");
 #endif
   }
-  out.placement = {MemoryKind::device, out.engine.get()};
-  if (rank_bytes > 0) out.pool.emplace(*out.engine, staging_buffer_bytes(rank_bytes));
+  out.placement = {MemoryKind::device, out.engine};
+  if (rank_bytes > 0) out.pool = std::make_shared<StagingPool>(out.engine, staging_buffer_bytes(rank_bytes));
   return out;
 }
 

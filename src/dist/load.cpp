@@ -103,13 +103,63 @@ void check_replicas(const StateDict& state, const ProcessGroup& replicas) {
   for (const ShardedParam& p : state.params()) check(p.spec.key, p.replica_id, p.replicas);
 }
 
+// Every rank's destinations are there, writable and disjoint; ranks that are threads of one process
+// also must not share memory with each other (rank 0 checks them all together).
+void check_destinations(StateDict& state, ProcessGroup& group, const fs::path& path) {
+  const bool across = group.threads_of_one_process() && group.size() > 1;
+  (void)decide_at_root(
+      group, cat("checking the destinations of a load of ", path.string()),
+      [&] {
+        const std::vector<LoadTarget> mine = load_targets(state);
+        require_disjoint(mine, cat("rank ", group.rank()));
+        Writer w;
+        if (!across) return w.take();
+        w.i64(static_cast<std::int64_t>(mine.size()));
+        for (const LoadTarget& t : mine) {
+          w.str(t.key);
+          w.u8(static_cast<std::uint8_t>(t.space.kind));
+          w.i64(t.space.device);
+          w.i64(static_cast<std::int64_t>(t.begin));
+          w.i64(static_cast<std::int64_t>(t.end));
+        }
+        return w.take();
+      },
+      [&](const std::vector<std::span<const std::byte>>& payloads) {
+        if (!across) return Bytes();
+        std::vector<LoadTarget> all;
+        for (std::size_t rank = 0; rank < payloads.size(); ++rank) {
+          Reader r(payloads[rank]);
+          for (std::int64_t n = r.i64(); n > 0; --n) {
+            LoadTarget t;
+            t.key = cat("rank ", rank, "'s ", r.str());
+            t.space.kind = static_cast<MemoryKind>(r.u8());
+            t.space.device = static_cast<int>(r.i64());
+            t.begin = static_cast<std::uintptr_t>(r.i64());
+            t.end = static_cast<std::uintptr_t>(r.i64());
+            all.push_back(std::move(t));
+          }
+        }
+        require_disjoint(std::move(all), "thread ranks of one process");
+        return Bytes();
+      });
+}
+
 }  // namespace
 
-Values load_into(const CheckpointReader& reader, const StateDict& state, ProcessGroup& group, LoadOptions options,
+void require_thread_safe_hdf5(const ProcessGroup& group, bool thread_safe) {
+  require(thread_safe || !group.threads_of_one_process() || group.size() == 1, Errc::invalid_argument,
+          "ranks that are threads of one process call HDF5 at the same time, and this HDF5 is not built "
+          "thread-safe (H5is_library_threadsafe): run one process per rank (MPI), or link a thread-safe HDF5");
+}
+
+Values load_into(const CheckpointReader& reader, StateDict& state, ProcessGroup& group, LoadOptions options,
                  ProcessGroup* replicas) {
+  require_thread_safe_hdf5(group);
   agree(group, cat("loading ", reader.path().string()), [&] { agree_on_checkpoint(reader, group); });
+  check_destinations(state, group, reader.path());
   if (group.rank() == 0) notice_unchecked(reader, options);
-  const std::vector<ReplicaRows> shared = replica_rows(state);
+  std::vector<ReplicaRows> shared;
+  agree(group, cat("loading ", reader.path().string()), [&] { shared = replica_rows(state); });
   options.read_own_share = replicas != nullptr && replicas->size() > 1 && !shared.empty() && can_share(*replicas, shared);
   std::optional<Values> out;
   agree(group, cat("loading ", reader.path().string()), [&] {
@@ -122,7 +172,7 @@ Values load_into(const CheckpointReader& reader, const StateDict& state, Process
   return std::move(*out);
 }
 
-Values load_into(const fs::path& path, const StateDict& state, ProcessGroup& group, LoadOptions options,
+Values load_into(const fs::path& path, StateDict& state, ProcessGroup& group, LoadOptions options,
                  ProcessGroup* replicas) {
   const std::shared_ptr<const CheckpointReader> reader = open_agreed(path, group);
   return load_into(*reader, state, group, std::move(options), replicas);

@@ -226,6 +226,7 @@ void write_pieces(ProcessGroup& group, const SavePlan& plan, const Created& crea
 // that its errors are the save's collective errors).
 void save_with(const std::function<SavePlan()>& make_plan, const fs::path& path, ProcessGroup& group,
                const SaveOptions& options) {
+  require_thread_safe_hdf5(group);
   const ForbidMaterialization no_copies;
   const int me = group.rank();
   const auto phase = [&](SavePhase p) {

@@ -73,20 +73,26 @@ bool AsyncSave::done() const {
 
 struct Saver::Impl {
   SaverOptions options;
-  std::optional<StagingPool> pool;
+  std::shared_ptr<StagingPool> pool;
   std::unique_ptr<ProcessGroup> group;  // private: background saves never meet the caller's collectives
   SharedBuffer staging;                 // where async saves stage this rank's bytes; sized once
   std::thread background;
 
   SaveOptions save_options() const {
     SaveOptions o = options.save;
-    if (pool) o.staging = &*pool;
+    if (pool) o.staging = pool;
     return o;
   }
 
   // The previous save, if one runs, must end before the next begins.
   void join() {
     if (background.joinable()) background.join();
+  }
+
+  // Pinned memory of the engine's (locked host memory without an engine) for async saves.
+  SharedBuffer allocate_staging(std::size_t bytes) const {
+    const Extents shape{static_cast<std::int64_t>(bytes)};
+    return options.engine ? options.engine->allocate_pinned(DType::u8, shape) : allocate_locked(DType::u8, shape);
   }
 
   // Copies every byte this rank writes into the staging memory (allocated by the first call) and
@@ -98,8 +104,7 @@ struct Saver::Impl {
     for (const SaveItem& i : plan.items)
       if (i.writes) need = (need + align - 1) / align * align + i.data.bytes();
     if (!staging)
-      staging = options.engine ? options.engine->allocate_pinned(std::max(need, options.async_staging_bytes))
-                               : allocate_locked(std::max(need, options.async_staging_bytes));
+      staging = allocate_staging(std::max(need, options.async_staging_bytes));
     require(need <= staging.bytes(), Errc::invalid_argument, "an async save of ", need,
             " bytes does not fit the staging memory of ", staging.bytes(),
             " bytes sized by the first (set SaverOptions::async_staging_bytes, or make a new Saver)");
@@ -111,7 +116,7 @@ struct Saver::Impl {
         continue;
       }
       at = (at + align - 1) / align * align;
-      const MutTensorView to = MutTensorView::borrow(base + at, i.data.dtype(), i.data.shape(), MemorySpace::pinned());
+      const MutTensorView to = MutTensorView::unchecked(base + at, i.data.dtype(), i.data.shape(), MemorySpace::pinned());
       at += i.data.bytes();
       if (i.data.space().host_accessible()) {
         if (!i.data.empty()) std::memcpy(to.data(), i.data.data(), i.data.bytes());
@@ -133,7 +138,8 @@ Saver::Saver(ProcessGroup& group, SaverOptions options) : impl_(std::make_unique
   impl_->group = group.split(0, group.rank());
   agree(*impl_->group, "making a saver", [&] {
     if (impl_->options.engine)
-      impl_->pool.emplace(*impl_->options.engine, impl_->options.staging_buffer_bytes, impl_->options.staging_buffers);
+      impl_->pool = std::make_shared<StagingPool>(impl_->options.engine, impl_->options.staging_buffer_bytes,
+                                                  impl_->options.staging_buffers);
   });
 }
 

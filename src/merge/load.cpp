@@ -37,7 +37,7 @@ class Source {
       : reader_(reader),
         local_(local),
         read_{options.method, options.verify_checksums, options.progress, options.bypass_page_cache} {
-    if (options.staging) arena_.emplace(*options.staging);
+    if (options.staging) arena_.emplace(options.staging);
     if (local)
       for (const Dataset& d : reader.datasets())
         if (d.placement) by_box_.emplace(place(d.placement->key, d.placement->box), &d);
@@ -126,8 +126,8 @@ struct Placeholder {
 using Slot = std::variant<MutTensorView, Placeholder, CommonValue>;
 using Tree = std::map<std::string, Slot, std::less<>>;
 
-void load_tensors(Source& src, const StateDict& state, const LoadOptions& options, Tree& tree) {
-  for (const ShardedTensor& t : state.tensors()) {
+void load_tensors(Source& src, StateDict& state, const LoadOptions& options, Tree& tree) {
+  for (ShardedTensor& t : state.tensors()) {
     const std::string who = cat("tensor ", t.key);
     const MutTensorView dst = destination(t.data, t.dtype, t.shape, who);
     const Box box = footprint(t.key, t.global_shape, t.global_offset, t.shape.dims());
@@ -140,8 +140,8 @@ void load_tensors(Source& src, const StateDict& state, const LoadOptions& option
 
 // Loads every sharded parameter into its destination: pieces read into their rows, pad rows zeroed.
 // A padding-only rank reads nothing (its placeholder comes from the request, as a local value).
-void load_params(Source& src, const StateDict& state, const LoadOptions& options, Tree& tree) {
-  for (const ShardedParam& p : state.params()) {
+void load_params(Source& src, StateDict& state, const LoadOptions& options, Tree& tree) {
+  for (ShardedParam& p : state.params()) {
     const RankPlan plan = plan_rank(p.spec, p.gtp, p.align, p.coord);
     if (plan.padding_only) continue;
     const MutTensorView dst = destination(p.shard, p.dtype, p.shard_shape(), p.describe());
@@ -184,8 +184,8 @@ void add_local_values(const StateDict& state, Tree& tree) {
 // Factory merges, applied to the complete tree: a padding-only rank's placeholder becomes its
 // all-zero shard (in its destination); a loaded shard is checked against the factory's shape. A
 // factory whose key is missing from the tree means the loaded keys differ from the requested ones.
-void merge_factories(Source& src, const StateDict& state, Tree& tree) {
-  for (const ShardedParam& p : state.params()) {
+void merge_factories(Source& src, StateDict& state, Tree& tree) {
+  for (ShardedParam& p : state.params()) {
     const auto it = tree.find(p.spec.key);
     require(it != tree.end() && !std::holds_alternative<CommonValue>(it->second), Errc::missing_key, p.describe(),
             ": nothing was loaded under its key, so the loaded keys differ from the requested ones");
@@ -207,7 +207,7 @@ SavePlan plan_save(const StateDict& state, bool share_replicas);
 
 }  // namespace
 
-Values load_with(const CheckpointReader& reader, const StateDict& state, const LoadOptions& options,
+Values load_with(const CheckpointReader& reader, StateDict& state, const LoadOptions& options,
                  CheckpointKind kind) {
   require(options.expect_id.empty() || reader.contents().id == options.expect_id, Errc::replaced,
           reader.path().string(), " holds checkpoint ", reader.contents().id, ", not ", options.expect_id,
@@ -215,6 +215,7 @@ Values load_with(const CheckpointReader& reader, const StateDict& state, const L
   require(reader.contents().kind == kind, Errc::not_a_checkpoint, reader.path().string(), " is a ",
           reader.contents().kind == CheckpointKind::local ? "local (per-rank)" : "global", " checkpoint; use ",
           reader.contents().kind == CheckpointKind::local ? "load_local" : "load");
+  require_disjoint(load_targets(state), "this rank");
   Source src(reader, kind == CheckpointKind::local, options);
   Tree tree;
   load_tensors(src, state, options, tree);
@@ -228,6 +229,34 @@ Values load_with(const CheckpointReader& reader, const StateDict& state, const L
   for (auto& [key, slot] : tree)
     if (auto* v = std::get_if<CommonValue>(&slot)) values.emplace(key, std::move(*v));
   return values;
+}
+
+std::vector<LoadTarget> load_targets(StateDict& state) {
+  std::vector<LoadTarget> out;
+  const auto add = [&](TensorRef& ref, DType dtype, const Extents& shape, const std::string& key,
+                       std::string_view who) {
+    const MutTensorView dst = destination(ref, dtype, shape, who);
+    const auto begin = reinterpret_cast<std::uintptr_t>(dst.data());
+    if (dst.bytes() > 0) out.push_back({key, dst.space(), begin, begin + dst.bytes()});
+  };
+  for (ShardedTensor& t : state.tensors()) add(t.data, t.dtype, t.shape, t.key, cat("tensor ", t.key));
+  for (ShardedParam& p : state.params()) add(p.shard, p.dtype, p.shard_shape(), p.spec.key, p.describe());
+  return out;
+}
+
+void require_disjoint(std::vector<LoadTarget> targets, std::string_view who) {
+  std::sort(targets.begin(), targets.end(), [](const LoadTarget& a, const LoadTarget& b) {
+    return a.space.kind != b.space.kind   ? a.space.kind < b.space.kind
+           : a.space.device != b.space.device ? a.space.device < b.space.device
+                                              : a.begin < b.begin;
+  });
+  for (std::size_t i = 1; i < targets.size(); ++i) {
+    const LoadTarget& a = targets[i - 1];
+    const LoadTarget& b = targets[i];
+    require(!(a.space == b.space) || b.begin >= a.end, Errc::invalid_argument, "the destinations of ", a.key,
+            " and ", b.key, " share ", std::min(a.end, b.end) - b.begin, " bytes of ", memory_space_text(a.space),
+            " memory (", who, "): a load would fill one with the other's rows");
+  }
 }
 
 void notice_unchecked(const CheckpointReader& reader, const LoadOptions& options) {
@@ -247,11 +276,11 @@ void notice_unchecked(const CheckpointReader& reader, const LoadOptions& options
     std::cerr << "shardckpt: notice: " << line << "\n";
 }
 
-Values load_into(const CheckpointReader& reader, const StateDict& state, LoadOptions options) {
+Values load_into(const CheckpointReader& reader, StateDict& state, LoadOptions options) {
   return load_with(reader, state, options, CheckpointKind::global);
 }
 
-Values load_into(const fs::path& path, const StateDict& state, LoadOptions options) {
+Values load_into(const fs::path& path, StateDict& state, LoadOptions options) {
   const CheckpointReader reader(path);
   notice_unchecked(reader, options);
   return load_with(reader, state, options, CheckpointKind::global);
@@ -311,16 +340,16 @@ LoadedState load(const fs::path& path, const StateDict& request, LoadOptions opt
   return load(reader, request, options);
 }
 
-std::vector<ReplicaRows> replica_rows(const StateDict& state) {
+std::vector<ReplicaRows> replica_rows(StateDict& state) {
   std::vector<ReplicaRows> out;
   const auto counts = [](std::int64_t rows, int replicas) {
     std::vector<std::int64_t> c;
     for (int i = 0; i < replicas; ++i) c.push_back(balanced_share(rows, replicas, i).size());
     return c;
   };
-  for (const ShardedTensor& t : state.tensors())
+  for (ShardedTensor& t : state.tensors())
     if (t.replicas > 1) out.push_back({t.data.mut_view(), counts(t.shape.rows(), t.replicas)});
-  for (const ShardedParam& p : state.params()) {
+  for (ShardedParam& p : state.params()) {
     if (p.replicas <= 1 || p.flat) continue;
     const RankPlan plan = plan_rank(p.spec, p.gtp, p.align, p.coord);
     if (!plan.padding_only)

@@ -60,7 +60,7 @@ void save_local(const StateDict& state, const fs::path& path, IoMethod method) {
   }
 }
 
-Values load_local_into(const fs::path& path, const StateDict& state, LoadOptions options) {
+Values load_local_into(const fs::path& path, StateDict& state, LoadOptions options) {
   const CheckpointReader reader(path);
   notice_unchecked(reader, options);
   return load_with(reader, state, options, CheckpointKind::local);

@@ -5,6 +5,7 @@ module;
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -25,7 +26,7 @@ namespace shardckpt {
 template <bool Mutable>
 inline BasicView<Mutable> reshaped(BasicView<Mutable> flat, std::int64_t offset, std::int64_t rows, std::int64_t cols) {
   require(offset >= 0 && rows * cols <= flat.shape().elements() - offset, Errc::internal, "a flat part past its range");
-  return BasicView<Mutable>::borrow(flat.data() + offset * element_bytes(flat.dtype()), flat.dtype(), {rows, cols},
+  return BasicView<Mutable>::unchecked(flat.data() + offset * element_bytes(flat.dtype()), flat.dtype(), {rows, cols},
                                     flat.space());
 }
 
@@ -45,11 +46,14 @@ inline void check_dataset(const Dataset& d, DType dtype, std::span<const std::in
 }
 
 // The destination of an entry must be there, of its dtype and shape, and writable.
-inline MutTensorView destination(const TensorRef& ref, DType dtype, const Extents& shape, std::string_view who) {
+inline MutTensorView destination(TensorRef& ref, DType dtype, const Extents& shape, std::string_view who) {
   require(static_cast<bool>(ref), Errc::invalid_argument, who, ": the request has no destination to load into");
   require(ref.dtype() == dtype && ref.shape() == shape, Errc::shape_mismatch, who, ": the destination is ",
           dtype_name(ref.dtype()), " ", dims_text(ref.shape().dims()), ", not ", dtype_name(dtype), " ",
           dims_text(shape.dims()));
+  require(ref.writable(), Errc::invalid_argument, who,
+          ": a read-only entry (TensorRef::read_only, or a borrowed TensorView) cannot be loaded into: give the "
+          "state dict a non-const SharedBuffer or borrow a MutTensorView");
   return ref.mut_view();
 }
 
@@ -59,11 +63,12 @@ inline MutTensorView destination(const TensorRef& ref, DType dtype, const Extent
 // overlaps with reading or writing another.
 class Arena {
  public:
-  explicit Arena(const StagingPool& pool) : pool_(pool), fences_(static_cast<std::size_t>(pool.buffers())) {}
+  explicit Arena(std::shared_ptr<StagingPool> pool)
+      : pool_(std::move(pool)), fences_(static_cast<std::size_t>(pool_->buffers())) {}
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;
 
-  CopyEngine& engine() const { return pool_.engine(); }
+  CopyEngine& engine() const { return pool_->engine(); }
   int current() const noexcept { return current_; }
 
   // Room for up to `rows` rows shaped like `like`: as many as fit in the current buffer, or, when not
@@ -71,17 +76,17 @@ class Arena {
   template <class BeforeReuse>
   MutTensorView take(TensorView like, std::int64_t rows, BeforeReuse&& before_reuse) {
     const std::size_t row = std::max<std::size_t>(like.row_bytes(), 1);
-    (void)pool_.rows_per_buffer(like);  // a row larger than a buffer is an error
-    if (aligned(used_) + row > pool_.buffer_bytes()) {
+    (void)pool_->rows_per_buffer(like);  // a row larger than a buffer is an error
+    if (aligned(used_) + row > pool_->buffer_bytes()) {
       fences_[static_cast<std::size_t>(current_)] = engine().fence();
-      current_ = (current_ + 1) % pool_.buffers();
+      current_ = (current_ + 1) % pool_->buffers();
       retire(current_, before_reuse);
       used_ = 0;
     }
     const std::size_t at = aligned(used_);
-    const auto fit = std::min<std::int64_t>(rows, static_cast<std::int64_t>((pool_.buffer_bytes() - at) / row));
+    const auto fit = std::min<std::int64_t>(rows, static_cast<std::int64_t>((pool_->buffer_bytes() - at) / row));
     used_ = at + static_cast<std::size_t>(fit) * row;
-    return MutTensorView::borrow(pool_.buffer(current_).data() + at, like.dtype(), like.shape().with_rows(fit),
+    return MutTensorView::unchecked(pool_->buffer(current_).data() + at, like.dtype(), like.shape().with_rows(fit),
                                  MemorySpace::pinned());
   }
 
@@ -89,7 +94,7 @@ class Arena {
   template <class BeforeReuse>
   void drain(BeforeReuse&& before_reuse) {
     if (used_ > 0) fences_[static_cast<std::size_t>(current_)] = engine().fence();
-    for (int i = 1; i <= pool_.buffers(); ++i) retire((current_ + i) % pool_.buffers(), before_reuse);
+    for (int i = 1; i <= pool_->buffers(); ++i) retire((current_ + i) % pool_->buffers(), before_reuse);
     used_ = 0;
   }
 
@@ -104,7 +109,7 @@ class Arena {
     before_reuse(buffer);
   }
 
-  const StagingPool& pool_;
+  std::shared_ptr<StagingPool> pool_;
   std::vector<std::optional<Fence>> fences_;
   int current_ = 0;
   std::size_t used_ = 0;

@@ -88,7 +88,7 @@ std::vector<Claim> claims_of(const SavePlan& plan, int rank) {
 }
 
 void write_items(const SavePlan& plan, std::span<const Dataset> datasets, PieceWriter& writer,
-                 const StagingPool* staging) {
+                 const std::shared_ptr<StagingPool>& staging) {
   std::map<std::string_view, const Dataset*> by_key;
   for (const Dataset& d : datasets) by_key.emplace(d.key, &d);
   // Rows of device items staged in the pool, per buffer, in write order: a buffer's rows are written
@@ -115,7 +115,7 @@ void write_items(const SavePlan& plan, std::span<const Dataset> datasets, PieceW
     }
     require(staging != nullptr, Errc::invalid_argument, "key ", i.key, ": saving ", memory_space_text(i.data.space()),
             " memory needs a Saver with a CopyEngine (its pool of pinned buffers)");
-    if (!arena) arena.emplace(*staging);
+    if (!arena) arena.emplace(staging);
     for (std::int64_t r0 = 0; r0 < i.data.rows();) {
       const MutTensorView rows = arena->take(i.data, i.data.rows() - r0, write_buffer);
       arena->engine().copy_to_host(i.data.slice_rows(r0, r0 + rows.rows()), rows);

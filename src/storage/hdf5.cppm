@@ -68,7 +68,7 @@ class Hid {
 
 Hid owned(hid_t id, Hid::Closer closer, const Where& w, Errc code = Errc::hdf5);
 
-// How the bytes HDF5 reads are checked before HDF5 sees them (a reader's seal, shardckpt.format):
+// How the bytes HDF5 reads are checked before HDF5 sees them (a reader's seal, :seal):
 // read() fills `dst` with the `n` bytes at `address` (zeros past the end of the file) or throws.
 class ReadCheck {
  public:

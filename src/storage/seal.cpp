@@ -30,7 +30,7 @@ namespace {
 // shardckpt 0.2 (one hash over all metadata, magic "SHCKSEAL") are checked once, at open.
 
 struct SealTail {  // "SHCKSEL2"
-  std::uint64_t regions = 0;      // ByteRanges after the sealed bytes
+  std::uint64_t regions = 0;      // ranges after the sealed bytes
   std::uint64_t pages = 0;        // PageHashes after the ranges
   std::uint64_t sealed_size = 0;  // the file's size without the trailer
   std::uint64_t digest = 0;       // XXH3-64 of the ranges and the page table

@@ -1,6 +1,7 @@
 // The forms the rejected snippets should have used: each compiles (so that the rejections below
 // are the library's doing, not a broken harness).
 #include <filesystem>
+#include <memory>
 import shardckpt;
 using namespace shardckpt;
 
@@ -23,10 +24,33 @@ void explicit_borrow(const std::filesystem::path& p) {
 float views_of_named_owners() {
   HostBuffer b = HostBuffer::zeros(DType::f32, {4});
   const TensorView v = b.view();
-  const SharedBuffer shared = SharedBuffer::zeros(DType::f32, {4});
-  const TensorRef ref = shared;
+  SharedBuffer shared = SharedBuffer::zeros(DType::f32, {4});
+  TensorRef ref = shared;  // a non-const owner lends writable memory
   const MutTensorView m = ref.mut_view();
-  return v.as<float>()[0] + m.as<float>()[0] + to_f32(to_bf16(3.0f)) + to_f32(bf16::from_bits(0x3f80));
+  const TensorRef saved = TensorRef::read_only(static_cast<const SharedBuffer&>(shared));  // a const one: to save
+  return v.as<float>()[0] + m.as<float>()[0] + saved.view().as<float>()[0] + to_f32(to_bf16(3.0f)) +
+         to_f32(bf16::from_bits(0x3f80));
+}
+
+// A load fills a state dict its caller may change; a raw pointer becomes a view only by name; a
+// staging pool shares its engine, and options share the pool.
+void load_into_a_mutable_state(const std::filesystem::path& p, float* memory) {
+  StateDict s;
+  s.add(ShardedTensor::of("t", unchecked_borrow(MutTensorView::unchecked(memory, DType::f32, {4, 2})), {4, 2}, {0, 0}));
+  (void)load_into(p, s);
+  const auto engine = std::make_shared<EmulatedDevice>();
+  const auto pool = std::make_shared<StagingPool>(engine, 4096);
+  (void)load_into(p, s, LoadOptions{.staging = pool});
 }
 
 HostBuffer counted_copy(const HostBuffer& b) { return b.deep_copy(); }
+
+// A loaded state owns its tensors: a named, non-const one lends them to a state dict that may be
+// loaded into; a const one lends them for saving.
+void entries_from_a_loaded_state(const std::filesystem::path& p, const StateDict& request, ShardedParam& param) {
+  LoadedState loaded = load(p, request);
+  param.shard = loaded.tensor("k");
+  const LoadedState& frozen = loaded;
+  const TensorRef saved = TensorRef::read_only(frozen.tensor("k"));
+  (void)saved;
+}

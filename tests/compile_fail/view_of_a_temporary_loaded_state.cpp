@@ -1,4 +1,4 @@
-// rejects: temporary bound to local reference 't' will be destroyed
+// rejects: call to deleted member function 'tensor'
 // A tensor of a loaded state lives as long as the loaded state.
 #include <filesystem>
 import shardckpt;
