@@ -139,6 +139,22 @@ class BasicView {
     return BasicView(data_ + static_cast<std::size_t>(lo) * row_bytes(), dtype_, shape_.with_rows(hi - lo), space_);
   }
 
+  // The same bytes seen as `to`: the one named way to reinterpret a dtype (bf16 sent as u16 bytes,
+  // say). The last dim scales so that every row keeps its bytes. Throws Errc::dtype_mismatch when
+  // the last dim's bytes are not a whole number of `to` elements, Errc::invalid_argument when host
+  // memory is not aligned to them.
+  BasicView reinterpreted_as(DType to) const {
+    const int last = shape_.rank() - 1;
+    const auto from_size = static_cast<std::int64_t>(dtype_size(dtype_)), to_size = static_cast<std::int64_t>(dtype_size(to));
+    require(last >= 0 && shape_[last] * from_size % to_size == 0, Errc::dtype_mismatch, "a ", dtype_name(dtype_),
+            " view's last dim (", last >= 0 ? shape_[last] : 0, " elements) is not a whole number of ",
+            dtype_name(to), " elements");
+    std::array<std::int64_t, max_rank> dims{};
+    for (int d = 0; d <= last; ++d) dims[d] = shape_[d];
+    dims[last] = shape_[last] * from_size / to_size;
+    return unchecked(data_, to, Extents(std::span<const std::int64_t>(dims.data(), static_cast<std::size_t>(last + 1))), space_);
+  }
+
   // The elements as T, for host memory. Throws Errc::dtype_mismatch unless T is the view's dtype,
   // Errc::invalid_argument for device memory (which moves only through a CopyEngine).
   template <Element T>

@@ -113,6 +113,33 @@ TEST(Materialize, ForbiddenMaterializationIsCaught) {
 // Ownership the types cannot check is checked when it is made: a view of a raw pointer (named
 // unchecked) refuses a null or misaligned pointer, a shared buffer refuses a shape its allocation
 // does not hold, and a read-only entry refuses to lend mutable memory.
+TEST(Ownership, ReinterpretingADtypeIsNamedAndChecked) {
+  HostBuffer b = HostBuffer::zeros(DType::bf16, {3, 4});
+  b.mut_view().as<bf16>()[5] = to_bf16(2.0f);
+  const TensorView bits = b.view().reinterpreted_as(DType::u16);  // the same bytes, as u16
+  EXPECT_EQ(bits.shape(), Extents({3, 4}));
+  EXPECT_EQ(bits.data(), b.view().data());
+  EXPECT_EQ(bits.as<std::uint16_t>()[5], to_bf16(2.0f).bits());
+  const TensorView words = b.view().reinterpreted_as(DType::f32);  // each row keeps its 8 bytes
+  EXPECT_EQ(words.shape(), Extents({3, 2}));
+  EXPECT_EQ(words.reinterpreted_as(DType::u8).shape(), Extents({3, 8}));
+  EXPECT_EQ(b.mut_view().reinterpreted_as(DType::i64).shape(), Extents({3, 1}));
+  const auto thrown = [](auto&& f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      return e.code();
+    }
+    return Errc::internal;
+  };
+  HostBuffer odd = HostBuffer::zeros(DType::bf16, {2, 3});  // 6-byte rows
+  EXPECT_EQ(thrown([&] { (void)odd.view().reinterpreted_as(DType::f32); }), Errc::dtype_mismatch);
+  EXPECT_EQ(thrown([&] { (void)odd.view().slice_rows(0, 1).reinterpreted_as(DType::f64); }), Errc::dtype_mismatch);
+  // Host memory not aligned to the new elements is refused, as when the view was made.
+  const TensorView shifted = TensorView::unchecked(b.view().data() + 2, DType::bf16, {1, 4});
+  EXPECT_EQ(thrown([&] { (void)shifted.reinterpreted_as(DType::f32); }), Errc::invalid_argument);
+}
+
 TEST(Ownership, WhatTheTypesCannotCheckIsCheckedWhenMade) {
   std::vector<float> memory(8);
   EXPECT_EQ(TensorView::unchecked(memory.data(), DType::f32, {2, 4}).rows(), 2);

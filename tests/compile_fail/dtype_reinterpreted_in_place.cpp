@@ -1,7 +1,7 @@
-// rejects: no member named 'retyped'
-// Memory of one dtype is not silently seen as another: allocations are typed (allocate_pinned(dtype,
-// shape)), and the one way from raw bytes to a view says it is unchecked.
+// rejects: calling a private constructor of class 'shardckpt::BasicView<false>'
+// Memory of one dtype is not silently seen as another: a view's dtype is fixed when it is made, and
+// the one way to see its bytes as another dtype is reinterpreted_as, which checks sizes and alignment.
 import shardckpt;
 using namespace shardckpt;
 
-SharedBuffer f(const SharedBuffer& bytes) { return bytes.retyped(DType::f32, {4}); }
+TensorView f(TensorView v) { return TensorView(v.data(), DType::f32, v.shape(), v.space()); }
