@@ -3,6 +3,7 @@
 // bypassing reader leaves the page cache empty; a replaced path is never read. Names nobody can
 // plant: temporary files, their commit, destinations and directories held open.
 #include <gtest/gtest.h>
+#include <fcntl.h>
 #include <sys/stat.h>
 
 #include <cstddef>
@@ -281,4 +282,31 @@ TEST(Directory, OpensOnlyRegularFilesWithoutFollowingLinksOrBlocking) {
   EXPECT_EQ(error_of([&] { (void)d.open_regular("link", Errc::not_a_checkpoint); }).code(), Errc::not_a_checkpoint);
   EXPECT_EQ(error_of([&] { (void)d.open_regular("../plain", Errc::not_a_checkpoint); }).code(),
             Errc::not_a_checkpoint);
+}
+
+TEST(Descriptor, IsTheOneOwnerOfAnOpenDescriptor) {
+  ScratchDir dir;
+  const std::filesystem::path path = dir.path() / "f";
+  std::ofstream(path) << "x";
+  const auto is_open = [](int fd) { return ::fcntl(fd, F_GETFD) >= 0; };
+  int fd = -1;
+  {
+    io::File a = io::File::open_read(path);
+    fd = a.descriptor();
+    io::File b = std::move(a);  // the descriptor moves; the moved-from file holds none
+    EXPECT_FALSE(a.is_open());
+    EXPECT_EQ(b.descriptor(), fd);
+    EXPECT_EQ(b.path(), path);
+    EXPECT_TRUE(is_open(fd));
+    io::Directory d = io::Directory::open(dir.path());
+    const int dfd = d.descriptor();
+    io::Directory e = std::move(d);
+    EXPECT_EQ(e.descriptor(), dfd);
+    EXPECT_EQ(e.status().kind, io::FileKind::directory);
+  }
+  EXPECT_FALSE(is_open(fd));  // closed once, by its last owner
+  io::File c = io::File::open_read(path);
+  c.close();
+  EXPECT_FALSE(c.is_open());
+  EXPECT_NO_THROW(c.close());  // closing twice closes nothing (and no other file's descriptor)
 }

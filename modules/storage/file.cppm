@@ -51,6 +51,34 @@ struct FileStatus {
   std::uint64_t size = 0;
 };
 
+// An open file descriptor and the path it was opened as (for messages): the one owner of a
+// descriptor, which File and Directory hold. Move-only; closes on destruction (close() reports
+// what close reports).
+class Descriptor {
+ public:
+  Descriptor() = default;
+  // Owns `fd` (which must be open), named `path` in messages.
+  Descriptor(int fd, std::filesystem::path path) noexcept : fd_(fd), path_(std::move(path)) {}
+  Descriptor(Descriptor&& other) noexcept;
+  Descriptor& operator=(Descriptor&& other) noexcept;
+  Descriptor(const Descriptor&) = delete;
+  Descriptor& operator=(const Descriptor&) = delete;
+  ~Descriptor();
+
+  bool is_open() const noexcept { return fd_ >= 0; }
+  int get() const noexcept { return fd_; }
+  const std::filesystem::path& path() const noexcept [[clang::lifetimebound]] { return path_; }
+  // What the descriptor refers to (fstat); Errc::io naming the path.
+  FileStatus status() const;
+  // Flushes what it refers to (data and metadata, or a directory's entries) to stable storage.
+  void sync() const;
+  void close();
+
+ private:
+  int fd_ = -1;
+  std::filesystem::path path_;
+};
+
 class File {
  public:
   // Throw Errc::io naming the path when the file cannot be opened.
@@ -62,15 +90,10 @@ class File {
   static File create(const std::filesystem::path& path);
 
   File() = default;
-  File(File&& other) noexcept;
-  File& operator=(File&& other) noexcept;
-  File(const File&) = delete;
-  File& operator=(const File&) = delete;
-  ~File();
 
-  bool is_open() const noexcept { return fd_ >= 0; }
-  int descriptor() const noexcept { return fd_; }
-  const std::filesystem::path& path() const noexcept [[clang::lifetimebound]] { return path_; }
+  bool is_open() const noexcept { return fd_.is_open(); }
+  int descriptor() const noexcept { return fd_.get(); }
+  const std::filesystem::path& path() const noexcept [[clang::lifetimebound]] { return fd_.path(); }
   FileIdentity identity() const;
   std::uint64_t size() const;
   FileStatus status() const;
@@ -86,16 +109,15 @@ class File {
   void pwrite_all(const void* src, std::size_t n, std::uint64_t offset);
   void truncate(std::uint64_t size);
   // Flushes the file's data and metadata to stable storage.
-  void sync();
+  void sync() { fd_.sync(); }
   // Closes now and reports what close() reports (NFS, for one, reports write errors there).
-  void close();
+  void close() { fd_.close(); }
 
  private:
   friend class Directory;
   friend class TemporaryFile;
-  File(int fd, std::filesystem::path path) : fd_(fd), path_(std::move(path)) {}
-  int fd_ = -1;
-  std::filesystem::path path_;
+  explicit File(Descriptor fd) noexcept : fd_(std::move(fd)) {}
+  Descriptor fd_;
 };
 
 // Whether bulk reads may bypass the page cache.
@@ -144,16 +166,11 @@ class Directory {
   // Throws Errc::io naming the path (an empty path is the working directory).
   static Directory open(const std::filesystem::path& dir);
   Directory() = default;
-  Directory(Directory&& other) noexcept;
-  Directory& operator=(Directory&& other) noexcept;
-  Directory(const Directory&) = delete;
-  Directory& operator=(const Directory&) = delete;
-  ~Directory();
 
-  int descriptor() const noexcept { return fd_; }
-  const std::filesystem::path& path() const noexcept [[clang::lifetimebound]] { return path_; }
+  int descriptor() const noexcept { return fd_.get(); }
+  const std::filesystem::path& path() const noexcept [[clang::lifetimebound]] { return fd_.path(); }
   // `name` in it, for messages.
-  std::filesystem::path operator/(std::string_view name) const { return path_ / std::string(name); }
+  std::filesystem::path operator/(std::string_view name) const { return fd_.path() / std::string(name); }
   // What `name` is, without following a link on it; nothing when there is no such entry.
   std::optional<FileStatus> status(std::string_view name) const;
   // What the directory itself is.
@@ -163,11 +180,11 @@ class Directory {
   // Error{refusal} naming the file and what it is. A name with a '/' is refused too.
   File open_regular(std::string_view name, Errc refusal) const;
   // Flushes the directory's entries (created, renamed) to stable storage.
-  void sync() const;
+  void sync() const { fd_.sync(); }
 
  private:
-  int fd_ = -1;
-  std::filesystem::path path_;
+  explicit Directory(Descriptor fd) noexcept : fd_(std::move(fd)) {}
+  Descriptor fd_;
 };
 
 // True for a name that can only name an entry of the directory it is looked up in: not empty, not

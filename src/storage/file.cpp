@@ -36,26 +36,10 @@ namespace {
 namespace fs = std::filesystem;
 }  // namespace
 
-File File::open_read(const fs::path& path) { return File(open_fd(path, O_RDONLY), path); }
+Descriptor::Descriptor(Descriptor&& other) noexcept
+    : fd_(std::exchange(other.fd_, -1)), path_(std::move(other.path_)) {}
 
-File File::open_write(const fs::path& path) {
-  ignore_sigxfsz();
-  return File(open_fd(path, O_WRONLY), path);
-}
-
-File File::open_update(const fs::path& path) {
-  ignore_sigxfsz();
-  return File(open_fd(path, O_RDWR), path);
-}
-
-File File::create(const fs::path& path) {
-  ignore_sigxfsz();
-  return File(open_fd(path, O_RDWR | O_CREAT | O_TRUNC), path);
-}
-
-File::File(File&& other) noexcept : fd_(std::exchange(other.fd_, -1)), path_(std::move(other.path_)) {}
-
-File& File::operator=(File&& other) noexcept {
+Descriptor& Descriptor::operator=(Descriptor&& other) noexcept {
   if (this != &other) {
     if (fd_ >= 0) ::close(fd_);
     fd_ = std::exchange(other.fd_, -1);
@@ -64,21 +48,39 @@ File& File::operator=(File&& other) noexcept {
   return *this;
 }
 
-File::~File() {
+Descriptor::~Descriptor() {
   if (fd_ >= 0) ::close(fd_);
 }
 
-FileIdentity File::identity() const {
-  struct stat st{};
-  if (::fstat(fd_, &st) != 0) fail("inspect", path_, errno);
-  return {static_cast<std::uint64_t>(st.st_dev), static_cast<std::uint64_t>(st.st_ino)};
+void Descriptor::sync() const {
+  if (::fsync(fd_) != 0) fail("flush to disk", path_, errno);
 }
 
-std::uint64_t File::size() const {
-  struct stat st{};
-  if (::fstat(fd_, &st) != 0) fail("inspect", path_, errno);
-  return static_cast<std::uint64_t>(st.st_size);
+void Descriptor::close() {
+  const int fd = std::exchange(fd_, -1);
+  if (fd >= 0 && ::close(fd) != 0 && errno != EINTR) fail("close", path_, errno);
 }
+
+File File::open_read(const fs::path& path) { return File(Descriptor(open_fd(path, O_RDONLY), path)); }
+
+File File::open_write(const fs::path& path) {
+  ignore_sigxfsz();
+  return File(Descriptor(open_fd(path, O_WRONLY), path));
+}
+
+File File::open_update(const fs::path& path) {
+  ignore_sigxfsz();
+  return File(Descriptor(open_fd(path, O_RDWR), path));
+}
+
+File File::create(const fs::path& path) {
+  ignore_sigxfsz();
+  return File(Descriptor(open_fd(path, O_RDWR | O_CREAT | O_TRUNC), path));
+}
+
+FileIdentity File::identity() const { return fd_.status().identity; }
+
+std::uint64_t File::size() const { return fd_.status().size; }
 
 namespace {
 
@@ -105,18 +107,20 @@ FileStatus status_of(const struct stat& st) {
 
 }  // namespace
 
-FileStatus File::status() const {
+FileStatus Descriptor::status() const {
   struct stat st{};
   if (::fstat(fd_, &st) != 0) fail("inspect", path_, errno);
   return status_of(st);
 }
 
+FileStatus File::status() const { return fd_.status(); }
+
 void File::set_mode(std::uint32_t mode) {
-  while (::fchmod(fd_, static_cast<mode_t>(mode & 07777)) != 0)
-    if (errno != EINTR) fail(cat("set the mode ", std::oct, mode, std::dec, " of"), path_, errno);
+  while (::fchmod(fd_.get(), static_cast<mode_t>(mode & 07777)) != 0)
+    if (errno != EINTR) fail(cat("set the mode ", std::oct, mode, std::dec, " of"), path(), errno);
 }
 
-void File::try_set_group(std::uint32_t group) noexcept { (void)::fchown(fd_, static_cast<uid_t>(-1), group); }
+void File::try_set_group(std::uint32_t group) noexcept { (void)::fchown(fd_.get(), static_cast<uid_t>(-1), group); }
 
 IoStats io_stats() noexcept { return {bytes_read.load(), bytes_written.load()}; }
 
@@ -124,9 +128,9 @@ std::size_t File::pread_upto(void* dst, std::size_t n, std::uint64_t offset) con
   auto* p = static_cast<std::byte*>(dst);
   std::size_t done = 0;
   while (done < n) {
-    const ssize_t got = ::pread(fd_, p + done, std::min(n - done, max_transfer), static_cast<off_t>(offset + done));
+    const ssize_t got = ::pread(fd_.get(), p + done, std::min(n - done, max_transfer), static_cast<off_t>(offset + done));
     if (got < 0 && errno == EINTR) continue;
-    if (got < 0) fail_at("read", path_, n, offset, errno);
+    if (got < 0) fail_at("read", path(), n, offset, errno);
     if (got == 0) break;
     done += static_cast<std::size_t>(got);
   }
@@ -136,7 +140,7 @@ std::size_t File::pread_upto(void* dst, std::size_t n, std::uint64_t offset) con
 
 void File::pread_all(void* dst, std::size_t n, std::uint64_t offset) const {
   const std::size_t got = pread_upto(dst, n, offset);
-  require(got == n, Errc::not_a_checkpoint, path_.string(), " ends at byte ", offset + got, " but ", n,
+  require(got == n, Errc::not_a_checkpoint, path().string(), " ends at byte ", offset + got, " but ", n,
           " bytes are needed at byte ", offset, " (truncated)");
 }
 
@@ -144,29 +148,21 @@ void File::pwrite_all(const void* src, std::size_t n, std::uint64_t offset) {
   const auto* p = static_cast<const std::byte*>(src);
   std::size_t done = 0;
   while (done < n) {
-    const ssize_t put = ::pwrite(fd_, p + done, std::min(n - done, max_transfer), static_cast<off_t>(offset + done));
+    const ssize_t put = ::pwrite(fd_.get(), p + done, std::min(n - done, max_transfer), static_cast<off_t>(offset + done));
     if (put < 0 && errno == EINTR) continue;
-    if (put < 0) fail_at("write", path_, n, offset, errno);
+    if (put < 0) fail_at("write", path(), n, offset, errno);
     // A write that moves nothing would loop forever; POSIX leaves its cause unsaid (a full device).
-    if (put == 0) fail_at("write", path_, n, offset, ENOSPC);
+    if (put == 0) fail_at("write", path(), n, offset, ENOSPC);
     done += static_cast<std::size_t>(put);
   }
   bytes_written.fetch_add(done, std::memory_order_relaxed);
 }
 
 void File::truncate(std::uint64_t size) {
-  while (::ftruncate(fd_, static_cast<off_t>(size)) != 0)
-    if (errno != EINTR) fail(cat("resize to ", size, " bytes"), path_, errno);
+  while (::ftruncate(fd_.get(), static_cast<off_t>(size)) != 0)
+    if (errno != EINTR) fail(cat("resize to ", size, " bytes"), path(), errno);
 }
 
-void File::sync() {
-  if (::fsync(fd_) != 0) fail("flush to disk", path_, errno);
-}
-
-void File::close() {
-  const int fd = std::exchange(fd_, -1);
-  if (fd >= 0 && ::close(fd) != 0 && errno != EINTR) fail("close", path_, errno);
-}
 
 // ---- directories, destinations and temporary files ----------------------------------------------
 
@@ -228,53 +224,31 @@ Directory Directory::open(const fs::path& dir) {
   while ((fd = ::open(d.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC)) < 0 && errno == EINTR) {
   }
   if (fd < 0) fail("open the directory", d, errno);
-  Directory out;
-  out.fd_ = fd;
-  out.path_ = d;
-  return out;
-}
-
-Directory::Directory(Directory&& other) noexcept : fd_(std::exchange(other.fd_, -1)), path_(std::move(other.path_)) {}
-
-Directory& Directory::operator=(Directory&& other) noexcept {
-  if (this != &other) {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = std::exchange(other.fd_, -1);
-    path_ = std::move(other.path_);
-  }
-  return *this;
-}
-
-Directory::~Directory() {
-  if (fd_ >= 0) ::close(fd_);
+  return Directory(Descriptor(fd, d));
 }
 
 std::optional<FileStatus> Directory::status(std::string_view name) const {
   struct stat st{};
   const std::string n(name);
-  if (::fstatat(fd_, n.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
+  if (::fstatat(fd_.get(), n.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
     if (errno == ENOENT) return std::nullopt;
     fail("inspect", *this / name, errno);
   }
   return status_of(st);
 }
 
-FileStatus Directory::status() const {
-  struct stat st{};
-  if (::fstat(fd_, &st) != 0) fail("inspect", path_, errno);
-  return status_of(st);
-}
+FileStatus Directory::status() const { return fd_.status(); }
 
 File Directory::open_regular(std::string_view name, Errc refusal) const {
   const fs::path shown = *this / name;
-  require(plain_name(name), refusal, "'", name, "' is not a plain file name in ", path_.string());
+  require(plain_name(name), refusal, "'", name, "' is not a plain file name in ", path().string());
   const std::string n(name);
   int fd = -1;
-  while ((fd = ::openat(fd_, n.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC)) < 0 && errno == EINTR) {
+  while ((fd = ::openat(fd_.get(), n.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC)) < 0 && errno == EINTR) {
   }
   if (fd < 0 && errno == ELOOP) throw Error(refusal, cat(shown.string(), " is a symbolic link, which is not followed"));
   if (fd < 0) fail("open", shown, errno);
-  File f(fd, shown);
+  File f(Descriptor(fd, shown));
   const FileStatus st = f.status();
   require(st.kind == FileKind::regular, refusal, shown.string(), " is ", file_kind_name(st.kind),
           ", not a regular file");
@@ -284,9 +258,6 @@ File Directory::open_regular(std::string_view name, Errc refusal) const {
   return f;
 }
 
-void Directory::sync() const {
-  if (::fsync(fd_) != 0) fail("flush to disk", path_, errno);
-}
 
 Destination Destination::of(const fs::path& path) {
   const fs::path target = follow_links(path);
@@ -341,7 +312,7 @@ TemporaryFile TemporaryFile::create(Destination dest) {
   }
   const fs::path shown = dest.dir / name;
   if (fd < 0) fail("create", shown, errno);
-  File f(fd, shown);
+  File f(Descriptor(fd, shown));
   const FileIdentity id = f.identity();
   TemporaryFile out(std::move(dest), std::move(f), name, id);
   check_temporary(out.file_);
@@ -359,7 +330,7 @@ File TemporaryFile::open_created(const fs::path& dir, std::string_view name, con
   }
   const fs::path shown = d / name;
   if (fd < 0) fail("open", shown, errno);
-  File f(fd, shown);
+  File f(Descriptor(fd, shown));
   check_temporary(f);
   require(same_file(shared_identity(f.identity()), creator), Errc::io, shown.string(),
           " is not the temporary file rank 0 created: it was replaced");
