@@ -406,60 +406,81 @@ Verification verify(const ModelConfig& config, const Training& training, int ran
   return verify(config, training, rank, attach(request, loaded), loaded.values());
 }
 
+namespace {
+
+// What the first GTP rank of each TP rank writes in a gathered save, in order: every block of the
+// TP-local weight, at its offset in the block's global dataset.
+struct GatherWrite {
+  std::size_t param, dataset;
+  std::int64_t tp_rank;
+  Block block;
+  std::vector<std::int64_t> offset, count;
+};
+
+struct GatherPlan {
+  std::vector<ParamSpec> specs;
+  std::vector<GatherWrite> writes;
+  std::vector<Dataset> datasets;
+  std::vector<ParamRecord> records;
+  std::int64_t checksum_rows = 0;
+};
+
+GatherPlan plan_gather(const ModelConfig& config, const Layout& layout) {
+  GatherPlan plan;
+  plan.specs = params(config, layout.tp);
+  for (std::size_t p = 0; p < plan.specs.size(); ++p) {
+    const ParamSpec& spec = plan.specs[p];
+    const std::vector<Block> bl = blocks(spec);
+    for (const Block& b : bl) plan.datasets.push_back({b.key, config.dtype, b.global_shape});
+    for (std::int64_t t = 0; t < (spec.tp_axis == TpAxis::replicated ? 1 : spec.tp); ++t)
+      for (std::size_t j = 0; j < bl.size(); ++j) {
+        GatherWrite w{p, plan.datasets.size() - bl.size() + j, t, bl[j],
+                      std::vector<std::int64_t>(bl[j].global_shape.size(), 0), {bl[j].local_rows.size()}};
+        w.count.insert(w.count.end(), spec.trailing.begin(), spec.trailing.end());
+        if (spec.tp_axis == TpAxis::rows) w.offset[0] = t * bl[j].local_rows.size();
+        if (spec.tp_axis == TpAxis::cols) w.offset[1] = t * spec.trailing[0];
+        plan.writes.push_back(std::move(w));
+      }
+    plan.records.push_back(record_of(spec));
+  }
+  for (const GatherWrite& w : plan.writes) {
+    const Box box = footprint(w.block.key, w.block.global_shape, w.offset, w.count);
+    plan.datasets[w.dataset].slabs.push_back({box, plan.checksum_rows});
+    plan.checksum_rows += checksum_rows_of(box);
+  }
+  return plan;
+}
+
+// The all-gather: the real rows of every GTP rank's shard of one parameter, stacked into the
+// TP-local weight (a counted materialization).
+HostBuffer gather_weight(const GatherPlan& plan, const GatherWrite& write, const Layout& layout,
+                         const std::vector<RankModel>& models) {
+  std::vector<TensorView> parts;
+  const GtpGeometry geo = GtpGeometry::make(plan.specs[write.param].rows(), layout.gtp, layout.align);
+  for (int g = 0; g < layout.gtp; ++g) {
+    const auto rank = static_cast<std::size_t>(write.tp_rank * layout.gtp + g);
+    parts.push_back(models[rank].state.params()[write.param].shard.view().slice_rows(0, geo.real_count(g)));
+  }
+  return materialize(parts);
+}
+
+}  // namespace
+
 std::int64_t gather_save(const ModelConfig& config, const Layout& layout, const std::vector<RankModel>& models,
                          const std::filesystem::path& path) {
   require(layout.dp == 1 && static_cast<int>(models.size()) == layout.ranks(), Errc::invalid_argument,
           "gather_save needs one model per rank of a DP-1 layout");
-  const std::vector<ParamSpec> specs = params(config, layout.tp);
-  // What the first GTP rank of each TP rank writes, in order: every block of the TP-local weight.
-  struct Write {
-    std::size_t param, dataset;
-    std::int64_t tp_rank;
-    Block block;
-    std::vector<std::int64_t> offset, count;
-  };
-  std::vector<Write> writes;
-  std::vector<Dataset> datasets;
-  std::vector<ParamRecord> records;
-  for (std::size_t p = 0; p < specs.size(); ++p) {
-    const ParamSpec& spec = specs[p];
-    const std::vector<Block> bl = blocks(spec);
-    for (std::size_t j = 0; j < bl.size(); ++j)
-      datasets.push_back({bl[j].key, config.dtype, bl[j].global_shape});
-    for (std::int64_t t = 0; t < (spec.tp_axis == TpAxis::replicated ? 1 : spec.tp); ++t)
-      for (std::size_t j = 0; j < bl.size(); ++j) {
-        Write w{p, datasets.size() - bl.size() + j, t, bl[j], std::vector<std::int64_t>(bl[j].global_shape.size(), 0),
-                {bl[j].local_rows.size()}};
-        w.count.insert(w.count.end(), spec.trailing.begin(), spec.trailing.end());
-        if (spec.tp_axis == TpAxis::rows) w.offset[0] = t * bl[j].local_rows.size();
-        if (spec.tp_axis == TpAxis::cols) w.offset[1] = t * spec.trailing[0];
-        writes.push_back(std::move(w));
-      }
-    records.push_back(record_of(spec));
-  }
-  std::int64_t checksum_rows = 0;
-  for (const Write& w : writes) {
-    const Box box = footprint(w.block.key, w.block.global_shape, w.offset, w.count);
-    datasets[w.dataset].slabs.push_back({box, checksum_rows});
-    checksum_rows += checksum_rows_of(box);
-  }
+  const GatherPlan plan = plan_gather(config, layout);
   io::TemporaryFile temp = io::TemporaryFile::create(io::Destination::of(path));
   const Skeleton skeleton = create_skeleton(
-      temp.file(), datasets,
-      {CheckpointKind::global, records, {{"iteration", iteration}, {"model_config", config_json(config)}}, io::random_id()},
-      checksum_rows);
+      temp.file(), plan.datasets,
+      {CheckpointKind::global, plan.records, {{"iteration", iteration}, {"model_config", config_json(config)}}, io::random_id()},
+      plan.checksum_rows);
   PieceWriter writer(temp.file(), IoMethod::raw, ChecksumSlot{skeleton.checksums_address, 0});
   std::int64_t peak = 0;
+  const auto& writes = plan.writes;
   for (std::size_t w = 0; w < writes.size();) {
-    const ParamSpec& spec = specs[writes[w].param];
-    // The all-gather: the real rows of every GTP rank's shard, stacked into the TP-local weight.
-    std::vector<TensorView> parts;
-    const GtpGeometry geo = GtpGeometry::make(spec.rows(), layout.gtp, layout.align);
-    for (int g = 0; g < layout.gtp; ++g) {
-      const auto rank = static_cast<std::size_t>(writes[w].tp_rank * layout.gtp + g);
-      parts.push_back(models[rank].state.params()[writes[w].param].shard.view().slice_rows(0, geo.real_count(g)));
-    }
-    const HostBuffer weight = materialize(parts);
+    const HostBuffer weight = gather_weight(plan, writes[w], layout, models);
     peak = std::max<std::int64_t>(peak, static_cast<std::int64_t>(weight.bytes()));
     const std::size_t param = writes[w].param;
     const std::int64_t tp_rank = writes[w].tp_rank;

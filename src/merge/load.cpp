@@ -202,9 +202,6 @@ void merge_factories(Source& src, StateDict& state, Tree& tree) {
   }
 }
 
-
-SavePlan plan_save(const StateDict& state, bool share_replicas);
-
 }  // namespace
 
 Values load_with(const CheckpointReader& reader, StateDict& state, const LoadOptions& options,

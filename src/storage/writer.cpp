@@ -68,6 +68,77 @@ Hid create_dataset(hid_t file, const Dataset& d, const Where& w) {
 
 // ---- the writer side ----------------------------------------------------------------------------------
 
+namespace {
+
+// The metadata group and the common values: what every checkpoint holds besides its tensors.
+void write_metadata(hid_t file, const CheckpointContents& contents, const Where& w) {
+  Hid meta = hdf5::create_group(file, meta_group, w);
+  hdf5::write_attr(meta.get(), "format", std::string_view("shardckpt"), w);
+  hdf5::write_attr(meta.get(), "format_version", std::int64_t{format_version}, w);
+  hdf5::write_attr(meta.get(), "kind", std::string_view(contents.kind == CheckpointKind::global ? "global" : "local"), w);
+  hdf5::write_attr(meta.get(), "checkpoint_id", std::string_view(contents.id), w);
+  hdf5::write_attr(meta.get(), "checksums", contents.checksummed ? checksum_scheme : no_checksums, w);
+  hdf5::write_attr(meta.get(), "params", std::string_view(records_json(contents.params)), w);
+  meta.close(w);
+  Hid common = hdf5::create_group(file, common_group, w);
+  for (const auto& [key, value] : contents.common) {
+    require_key(key);
+    hdf5::write_attr(common.get(), key.c_str(), value, w);
+  }
+  common.close(w);
+}
+
+// The checksum table, allocated now so that its address is known; its bytes join the data ranges.
+void create_checksum_table(hid_t file, std::int64_t checksum_rows, Skeleton& out, const Where& w) {
+  const Dataset table{checksums_set, DType::u64, {checksum_rows}};
+  Hid set = create_dataset(file, table, w);
+  if (checksum_rows > 0) {
+    const haddr_t addr = H5Dget_offset(set.get());
+    require(addr != HADDR_UNDEF, Errc::hdf5, "HDF5 did not allocate the checksum table of ", w.file.string());
+    out.checksums_address = addr;
+    const auto begin = static_cast<std::int64_t>(addr);
+    out.data.push_back({begin, begin + checksum_rows * static_cast<std::int64_t>(sizeof(std::uint64_t))});
+  }
+  set.close(w);
+}
+
+// A dataset's attributes: where a local file's dataset lies in its global tensor, and (in `slabs`,
+// when the file is checksummed) its slab table.
+void write_dataset_attrs(hid_t set, hid_t slabs, const Dataset& d, const Where& w) {
+  if (d.placement) {
+    const Box& b = d.placement->box;
+    const std::int64_t box[] = {b.rows.begin, b.rows.end, b.cols.begin, b.cols.end};
+    hdf5::write_attr(set, "global_key", std::string_view(d.placement->key), w);
+    hdf5::write_attr(set, "global_shape", std::span<const std::int64_t>(d.placement->global_shape), 0, w);
+    hdf5::write_attr(set, "global_box", std::span<const std::int64_t>(box), 0, w);
+  }
+  if (slabs >= 0 && !d.slabs.empty()) {
+    std::vector<std::int64_t> table;
+    table.reserve(d.slabs.size() * 5);
+    for (const Slab& s : d.slabs)
+      table.insert(table.end(), {s.box.rows.begin, s.box.rows.end, s.box.cols.begin, s.box.cols.end, s.first_checksum});
+    hdf5::write_attr(slabs, d.key.c_str(), std::span<const std::int64_t>(table), 5, w);
+  }
+}
+
+// One tensor dataset, allocated: its raw regions and their byte ranges join the skeleton.
+void create_tensor_dataset(hid_t file, hid_t slabs, const Dataset& d, Skeleton& out, const Where& w) {
+  require_key(d.key);
+  Hid set = create_dataset(file, d, w);
+  write_dataset_attrs(set.get(), slabs, d, w);
+  Hid type = hdf5::type_of(d.dtype);
+  Dataset made{d.key, d.dtype, d.shape, d.placement};
+  made.regions = raw_regions_of(set.get(), type.get(), d.shape, d.dtype, w);
+  for (const RawRegion& e : made.regions) {
+    const auto begin = static_cast<std::int64_t>(e.address);
+    out.data.push_back({begin, begin + box_elements(e.box) * element_bytes(d.dtype)});
+  }
+  out.datasets.push_back(std::move(made));
+  set.close(w);
+}
+
+}  // namespace
+
 Skeleton create_skeleton(io::File& f, std::span<const Dataset> datasets, const CheckpointContents& contents,
                          std::int64_t checksum_rows) {
   require(checksum_rows >= 0 && (contents.checksummed || checksum_rows == 0), Errc::internal, "a checksum count of ", checksum_rows);
@@ -77,63 +148,12 @@ Skeleton create_skeleton(io::File& f, std::span<const Dataset> datasets, const C
   Skeleton out;
   {
     Hid file = hdf5::create_file(channel);
-    Hid meta = hdf5::create_group(file.get(), meta_group, w);
-    hdf5::write_attr(meta.get(), "format", std::string_view("shardckpt"), w);
-    hdf5::write_attr(meta.get(), "format_version", std::int64_t{format_version}, w);
-    hdf5::write_attr(meta.get(), "kind",
-                     std::string_view(contents.kind == CheckpointKind::global ? "global" : "local"), w);
-    hdf5::write_attr(meta.get(), "checkpoint_id", std::string_view(contents.id), w);
-    hdf5::write_attr(meta.get(), "checksums", contents.checksummed ? checksum_scheme : no_checksums, w);
-    hdf5::write_attr(meta.get(), "params", std::string_view(records_json(contents.params)), w);
-    meta.close(w);
-    Hid common = hdf5::create_group(file.get(), common_group, w);
-    for (const auto& [key, value] : contents.common) {
-      require_key(key);
-      hdf5::write_attr(common.get(), key.c_str(), value, w);
-    }
-    common.close(w);
-    if (contents.checksummed) {
-      const Dataset table{checksums_set, DType::u64, {checksum_rows}};
-      Hid set = create_dataset(file.get(), table, w);
-      if (checksum_rows > 0) {
-        const haddr_t addr = H5Dget_offset(set.get());
-        require(addr != HADDR_UNDEF, Errc::hdf5, "HDF5 did not allocate the checksum table of ", partial.string());
-        out.checksums_address = addr;
-        const auto begin = static_cast<std::int64_t>(addr);
-        out.data.push_back({begin, begin + checksum_rows * static_cast<std::int64_t>(sizeof(std::uint64_t))});
-      }
-      set.close(w);
-    }
+    write_metadata(file.get(), contents, w);
+    if (contents.checksummed) create_checksum_table(file.get(), checksum_rows, out, w);
     Hid slabs = contents.checksummed ? hdf5::create_group(file.get(), slabs_group, w) : Hid();
     out.datasets.reserve(datasets.size());
-    for (const Dataset& d : datasets) {
-      require_key(d.key);
-      const Where dw{partial, d.key, "create the dataset"};
-      Hid set = create_dataset(file.get(), d, dw);
-      if (d.placement) {
-        const Box& b = d.placement->box;
-        const std::int64_t box[] = {b.rows.begin, b.rows.end, b.cols.begin, b.cols.end};
-        hdf5::write_attr(set.get(), "global_key", std::string_view(d.placement->key), dw);
-        hdf5::write_attr(set.get(), "global_shape", std::span<const std::int64_t>(d.placement->global_shape), 0, dw);
-        hdf5::write_attr(set.get(), "global_box", std::span<const std::int64_t>(box), 0, dw);
-      }
-      if (contents.checksummed && !d.slabs.empty()) {
-        std::vector<std::int64_t> table;
-        table.reserve(d.slabs.size() * 5);
-        for (const Slab& s : d.slabs)
-          table.insert(table.end(), {s.box.rows.begin, s.box.rows.end, s.box.cols.begin, s.box.cols.end, s.first_checksum});
-        hdf5::write_attr(slabs.get(), d.key.c_str(), std::span<const std::int64_t>(table), 5, dw);
-      }
-      Hid type = hdf5::type_of(d.dtype);
-      Dataset made{d.key, d.dtype, d.shape, d.placement};
-      made.regions = raw_regions_of(set.get(), type.get(), d.shape, d.dtype, dw);
-      out.datasets.push_back(std::move(made));
-      for (const RawRegion& e : out.datasets.back().regions) {
-        const auto begin = static_cast<std::int64_t>(e.address);
-        out.data.push_back({begin, begin + box_elements(e.box) * element_bytes(d.dtype)});
-      }
-      set.close(dw);
-    }
+    for (const Dataset& d : datasets)
+      create_tensor_dataset(file.get(), slabs ? slabs.get() : hid_t{-1}, d, out, {partial, d.key, "create the dataset"});
     if (slabs) slabs.close(w);
     hdf5::close_written(file, channel, "create the checkpoint");
   }

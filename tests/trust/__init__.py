@@ -1,0 +1,1 @@
+"""The trust checks of shardckpt (trust_test.py is their entry point)."""

@@ -1,0 +1,73 @@
+"""Single-user checks of limits: paths deeper than PATH_MAX, and limits on open files and memory."""
+import os
+import shutil
+import tempfile
+import time
+
+from tally import check
+from trust.support import A, SMALL, exe, expect, one_error_line, run, temporaries, work
+
+
+def deep_paths():
+    """6. Relative paths below a working directory deeper than PATH_MAX."""
+    top = os.getcwd()
+    base = tempfile.mkdtemp(prefix="deep-", dir=work)
+    made = []
+    codes = {}
+    try:
+        os.chdir(base)
+        for i in range(40):  # 40 x 201 characters: about 8 KiB, twice PATH_MAX
+            name = f"{i:02d}" + "d" * 198
+            os.mkdir(name)
+            os.chdir(name)
+            made.append(name)
+        for cmd in (["demo", "--out", "d.h5", "--quiet"] + SMALL, ["verify", "d.h5"], ["load", "d.h5", "--quiet"],
+                    ["inspect", "d.h5"], ["reshard", "d.h5", "r.h5", "--quiet"]):
+            r = run([exe] + cmd, timeout=60, cwd=None)  # the subprocess inherits the deep cwd
+            codes[cmd[0]] = r.rc
+            # Guards: no crash on ENAMETOOLONG paths (absolute names of the cwd cannot be formed), and
+            # relative names work: each command succeeds.
+            check(r.rc is not None and r.rc >= 0, f"deep path: {cmd[0]} died: {r}")
+            check(r.rc == 0, f"deep path: {cmd[0]}: {r}")
+        check(temporaries(".", "d.h5") == [] and temporaries(".", "r.h5") == [], "deep path: temporary files left")
+    finally:
+        # Climb back level by level, removing each level's (now shallow) subtree by its relative name.
+        try:
+            for name in reversed(made):
+                os.chdir("..")
+                shutil.rmtree(name, ignore_errors=True)
+        finally:
+            os.chdir(top)
+        shutil.rmtree(base, ignore_errors=True)
+    check(not os.path.exists(base), "deep path: the deep tree could not be removed")
+    print("deep paths: exit codes " + ", ".join(f"{k} {v}" for k, v in codes.items()))
+
+
+def resources():
+    """13. Limits on files and memory end in one error line; a load that cannot fit is refused up front."""
+    # 64 thread ranks with 16 descriptors: it loads within them or ends with one error line; never a crash.
+    r = run(["prlimit", "--nofile=16:16", exe, "load", A, "--ranks", "64", "--tp", "1", "--gtp", "4", "--quiet"], timeout=60)
+    check(r.rc is not None and r.rc >= 0, f"load --ranks 64 with 16 open files: {r}")
+    check(r.rc in (0, 2) and (r.rc == 0 or one_error_line(r)), f"load --ranks 64 with 16 open files: {r}")
+    nofile16 = r.rc
+    # With 4 descriptors the checkpoint cannot even be opened: one error line.
+    r = run(["prlimit", "--nofile=4:4", exe, "load", A, "--ranks", "64", "--tp", "1", "--gtp", "4", "--quiet"], timeout=60)
+    check(r.rc == 2 and one_error_line(r), f"load with 4 open files: {r}")
+    # 1 GiB of address space: an ordinary load fits, one of 1.2 GiB of shards (alignment 2^20) or of
+    # 1.2 TiB (alignment 2^30) does not, and says so in bytes of host memory.
+    limit = ["prlimit", f"--as={1 << 30}"]
+    expect(run(limit + [exe, "load", A, "--quiet"]), 0, "an ordinary load within 1 GiB of address space")
+    for align in ["1048576", "1073741824"]:
+        r = run(limit + [exe, "load", A, "--tp", "1", "--gtp", "4", "--align", align, "--quiet"], timeout=60)
+        what = f"load at alignment {align} within 1 GiB of address space"
+        check(r.rc == 2 and one_error_line(r) and "bytes of host memory" in r.err, f"{what}: {r}")
+    # 2^24 rows of alignment: shards of about 19 GiB for a 26 KiB checkpoint; 2^30: over a PiB. Each is
+    # refused at once, naming the bytes, where it does not fit (the 2^24 one under 4 GiB of address
+    # space, the 2^30 one on any machine), before anything is allocated.
+    for align, limit in [("16777216", [f"--as={4 << 30}"]), ("1073741824", [])]:
+        start = time.time()
+        r = run(["prlimit"] + limit + [exe, "load", A, "--tp", "1", "--gtp", "4", "--align", align, "--quiet"]
+                if limit else [exe, "load", A, "--tp", "1", "--gtp", "4", "--align", align, "--quiet"], timeout=20)
+        check(r.rc == 2 and one_error_line(r) and "bytes of host memory" in r.err and time.time() - start < 10,
+              f"load at alignment {align}: {r}")
+    print(f"resources: 16 open files exit {nofile16}; huge alignments refused in bytes")
