@@ -3,7 +3,8 @@
 // conv1d, a row-parallel out_proj (TP on dim 1) and a replicated norm weight; common values and a
 // per-rank non-persistent value; optionally Adam's state. Element i (row-major, flat, in its dataset) of every tensor is
 // (fnv1a32(key) + i) mod 2^24, exact in f32 and rounded to nearest even in bf16, so any rank at any
-// layout can build or check its own shard without seeing anyone else's.
+// layout can build or check its own shard without seeing anyone else's. Not part of the library:
+// nothing the library builds imports it, and it holds no save or load logic of its own.
 module;
 #include <memory>
 #include <cstdint>

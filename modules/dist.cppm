@@ -8,6 +8,8 @@
 // rank and makes every rank agree on it before anything is read; data-parallel copies of a shard
 // read it once between them and hand each other the rows. A Saver keeps what repeated saves need
 // (a pool of pinned buffers for device shards, the memory of an async save, a private group).
+// It never moves tensor rows through a gather and never reads or writes a file itself: rows go
+// from each rank's memory to its own part of the file through shardckpt.storage.
 module;
 #include <cstddef>
 #include <cstdint>

@@ -1,6 +1,6 @@
 // shardckpt.dist.mpi: a ProcessGroup over an MPI communicator the user hands in (built when MPI is
 // found). The caller initializes and finalizes MPI; the group duplicates the communicator so that
-// the library's messages never mix with the application's.
+// the library's messages never mix with the application's. It never initializes or finalizes MPI.
 module;
 #include <mpi.h>
 

@@ -78,8 +78,7 @@ struct LoadOptions {
   bool read_own_share = false;
   // Read tensor data around the page cache (O_DIRECT, where the file system allows it): the file's
   // pages do not crowd the page cache, and on disks where scattered reads through the page cache are
-  // slow, ranks get more of the disk. On this project's machine it measured the same as reading
-  // through the page cache (docs/performance.md).
+  // slow, ranks get more of the disk (what it gains where is in docs/performance.md).
   bool bypass_page_cache = false;
 };
 

@@ -2,7 +2,7 @@
 """Documentation is code: every code block that a Markdown file marks with
 <!-- excerpt: PATH --> on the line before it must be an excerpt of PATH (a file the test script
 compiles and runs): each of its lines appears in PATH, in the same order. And every relative link
-between the Markdown files points at a file that exists.
+between the Markdown files points at a file that exists, and at a heading of it where it names one.
 Usage: docs_test.py  (from the repository root). Prints "docs: N passed, N failed"."""
 import glob
 import os
@@ -10,6 +10,16 @@ import re
 
 from tally import check, finish
 
+
+
+def anchors(md):
+    """The anchors GitHub makes of a Markdown file's headings."""
+    out = set()
+    for line in open(md):
+        m = re.match(r"#+ (.*)", line)
+        if m:
+            out.add(re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-"))
+    return out
 
 
 for md in ["README.md"] + sorted(glob.glob("docs/*.md")):
@@ -40,8 +50,10 @@ for md in ["README.md"] + sorted(glob.glob("docs/*.md")):
                 at += 1
             else:
                 check(True, "")
-        for target in re.findall(r"\]\(([^)#:]+\.md)(?:#[^)]*)?\)", line):
-            path = os.path.normpath(os.path.join(os.path.dirname(md), target))
+        for target, anchor in re.findall(r"\]\(([^)#:]*\.md)?(?:#([^)]*))?\)", line):
+            path = os.path.normpath(os.path.join(os.path.dirname(md), target)) if target else md
             check(os.path.exists(path), f"{md}:{i + 1}: link to {target}, which does not exist")
+            if anchor and os.path.exists(path):
+                check(anchor in anchors(path), f"{md}:{i + 1}: link to {target}#{anchor}, a heading it lacks")
 
 finish("docs")

@@ -48,7 +48,7 @@ struct OpenOptions {
 
 // An open, complete checkpoint. Metadata and data come from one open file: a path replaced while
 // the reader is open does not change what it reads. Reads from many threads run in parallel on
-// the direct path.
+// the raw path (IoMethod::raw).
 class CheckpointReader {
  public:
   // Throws Errc::corrupt when the file's seal shows its metadata was damaged, Errc::replaced when

@@ -1,6 +1,7 @@
 // shardckpt.storage:tools: what works on whole checkpoint files beside saving and loading: adopting
 // a plain HDF5 file (its bytes stay where they are), checking every byte of a checkpoint against its
-// checksums, and parameter records as JSON text.
+// checksums, and parameter records as JSON text. Adopting never changes or replaces its input,
+// and verifying never trusts a byte it has not checked.
 module;
 #include <cstdint>
 #include <filesystem>

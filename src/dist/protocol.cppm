@@ -1,6 +1,7 @@
 // shardckpt.dist:protocol (implementation partition): how ranks agree. Every step of a collective
 // operation exchanges every rank's outcome: either every rank gets every payload, or every rank throws
-// the same error (the code of the lowest failing rank, the message of each).
+// the same error (the code of the lowest failing rank, the message of each). A rank never returns
+// before it knows every rank's outcome.
 module;
 #include <algorithm>
 #include <condition_variable>

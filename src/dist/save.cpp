@@ -200,7 +200,7 @@ Created read_verdict(const Bytes& verdict, const SavePlan& plan, int me, int ran
   return out;
 }
 
-// Every rank writes its own pieces and their checksums: all at once on the direct path; on the
+// Every rank writes its own pieces and their checksums: all at once on the raw path; on the
 // hyperslab path one rank at a time, since HDF5 must not have one file open for writing in two
 // processes. Each rank first opens the temporary file rank 0 created and checks that it is that file.
 void write_pieces(ProcessGroup& group, const SavePlan& plan, const Created& created, Destination& dest,

@@ -1,6 +1,7 @@
 // shardckpt.dist:wire (implementation partition): the wire format of the save and load protocols:
 // little structs as length-prefixed binary (claims, parameter records, common values, datasets, file
-// identities), written and read by every rank of the library's own collectives.
+// identities), written and read by every rank of the library's own collectives. Never tensor data;
+// a message that is truncated or malformed is an error, never a read past its end.
 module;
 #include <algorithm>
 #include <condition_variable>

@@ -1,6 +1,7 @@
 // shardckpt.merge:pieces (implementation partition): what the save and the load of a state dict
 // share: views of parts of a shard, the rows one data-parallel copy handles, checks of datasets and
-// destinations, and the staging arena through which device rows go to and from files.
+// destinations, and the staging arena through which device rows go to and from files. It never
+// allocates a destination or copies a shard: pieces are views.
 module;
 #include <algorithm>
 #include <cstddef>

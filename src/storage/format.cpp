@@ -45,9 +45,9 @@ std::vector<Dataset> datasets_of(std::span<const Claim> claims, std::span<const 
       spec.chunk[1] = width / inner;
       const std::int64_t row_bytes = checked_mul(element_bytes(c0.dtype), width, "chunk row bytes");
       spec.chunk[0] = std::clamp<std::int64_t>(max_chunk_bytes / row_bytes, 1, shape[0]);
-      // The direct path must find every chunk (see max_direct_chunks); past that, contiguous.
+      // The raw path must find every chunk (see max_raw_chunks); past that, contiguous.
       const std::int64_t chunks = (shape[0] + spec.chunk[0] - 1) / spec.chunk[0] * (whole.cols.end / width);
-      if (chunks > max_direct_chunks) spec.chunk.clear();
+      if (chunks > max_raw_chunks) spec.chunk.clear();
     }
     std::sort(spec.slabs.begin(), spec.slabs.end(), [](const Slab& a, const Slab& b) {
       return a.box.rows.begin != b.box.rows.begin ? a.box.rows.begin < b.box.rows.begin

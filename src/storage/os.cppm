@@ -1,6 +1,7 @@
 // shardckpt.storage:os (implementation partition): what the units of storage:file share of the
 // operating system: errors named after the file and the operation, the disposition of SIGXFSZ, plain
-// opens, the largest transfer one call asks for, and the process's byte counters.
+// opens, the largest transfer one call asks for, and the process's byte counters. Nothing here
+// opens a name someone else may have planted: storage:file does that, with its checks.
 module;
 #include <fcntl.h>
 #include <signal.h>

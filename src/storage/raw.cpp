@@ -59,7 +59,7 @@ std::vector<RawRegion> raw_regions_of(hid_t set, hid_t type, const std::vector<s
   const std::int64_t chunk_cols = chunk_dim1 * inner;
   const std::int64_t row_chunks = (shape[0] + chunk_rows - 1) / chunk_rows;
   const std::int64_t col_chunks = rank > 1 ? (shape[1] + chunk_dim1 - 1) / chunk_dim1 : 1;
-  if (row_chunks > max_direct_chunks || col_chunks > max_direct_chunks / std::max<std::int64_t>(row_chunks, 1))
+  if (row_chunks > max_raw_chunks || col_chunks > max_raw_chunks / std::max<std::int64_t>(row_chunks, 1))
     return {};
   const std::int64_t chunk_bytes =
       checked_mul(checked_mul(chunk_rows, chunk_cols, "chunk size", Errc::not_a_checkpoint), element_bytes(dtype),

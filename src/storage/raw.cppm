@@ -1,6 +1,7 @@
 // shardckpt.storage:raw (implementation partition): raw data by address. Where a dataset's bytes lie
 // in the file (raw regions), how a box of a dataset moves between those addresses and the caller's
-// rows, the checksum of a row, and the sizes of the batches rows move in.
+// rows, the checksum of a row, and the sizes of the batches rows move in. It never moves a byte
+// outside a dataset's checked raw regions.
 module;
 #include <hdf5.h>
 #define XXH_INLINE_ALL
@@ -30,15 +31,15 @@ static_assert(std::endian::native == std::endian::little, "shardckpt needs a lit
 // batch is still in cache when it is checksummed, large enough that calls are few.
 constexpr std::int64_t batch_bytes = std::int64_t{1} << 20;
 // Checked reads through the page cache hash each batch right after the kernel copied it: a quarter
-// of the above keeps it in a core's L2 (a load checking 1 MiB batches ran 10-20% slower than one
-// checking nothing). Direct reads land in memory, not in a cache, and want fewer, larger reads.
+// of the above keeps it in a core's L2 (docs/performance.md, "Constants"). Direct reads land in
+// memory, not in a cache, and want fewer, larger reads.
 constexpr std::int64_t cached_read_batch = std::int64_t{256} << 10, direct_read_batch = batch_bytes;
 // Chunks of at most this many bytes (HDF5 caps a chunk at 4 GiB).
 constexpr std::int64_t max_chunk_bytes = std::int64_t{1} << 30;
 // Chunk lists longer than this (small chunks written by other tools) are read through HDF5: HDF5
-// 1.10 finds one chunk's address in time linear in the chunks, so listing n costs n^2 (a dataset
-// of 100,000 chunks took 75 s). A save chunks a dataset one TP band wide: far fewer chunks.
-constexpr std::int64_t max_direct_chunks = 4096;
+// 1.10 finds one chunk's address in time linear in the chunks, so listing n costs n^2
+// (docs/performance.md, "Constants"). A save chunks a dataset one TP band wide: far fewer chunks.
+constexpr std::int64_t max_raw_chunks = 4096;
 // Slabs in one dataset's table (5 values each) a reader accepts.
 constexpr std::size_t max_slab_values = std::size_t{5} << 24;
 

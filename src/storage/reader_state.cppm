@@ -1,6 +1,7 @@
 // shardckpt.storage:reader_state (implementation partition): what an open CheckpointReader holds, for
 // the units that implement it (reader.cpp: the open, the metadata, the headers; reader_data.cpp:
-// where the bytes are, the slab tables, checked reads).
+// where the bytes are, the slab tables, checked reads). Nothing in it is trusted before the open
+// has checked it.
 module;
 #include <hdf5.h>
 

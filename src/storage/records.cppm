@@ -1,5 +1,6 @@
 // shardckpt.storage:records (implementation partition): the names of the library's metadata in the
 // file, the rule for keys, parameter records as JSON, and the check of records against datasets.
+// It never accepts a record it has not checked field by field.
 module;
 #include <optional>
 #include <set>

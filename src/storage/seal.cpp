@@ -21,7 +21,7 @@ import :seal;
 namespace shardckpt {
 namespace {
 
-// // The trailer past HDF5's end of the file: the metadata ranges, the page table (for every 4 KiB page
+// The trailer past HDF5's end of the file: the metadata ranges, the page table (for every 4 KiB page
 // of the file that holds metadata, the XXH3-64 of its metadata bytes in file order), then the tail,
 // last. The seal's digest is the XXH3-64 of the ranges and the page table: what ranks agree on. A
 // reader that trusts nothing checks every page once when it opens the file; afterwards every read

@@ -1,7 +1,8 @@
 // shardckpt.storage:seal (implementation partition): the seal of a checkpoint's HDF5 metadata
 // (docs/format.md, "The seal"). Rank 0 writes it when it marks a save complete; a reader checks it
 // before HDF5 parses a byte, and every later read HDF5 makes through the reader's channel again
-// (SealedMetadata), so that no byte HDF5 parses was changed after the seal was checked.
+// (SealedMetadata), so that no byte HDF5 parses was changed after the seal was checked. It never
+// lets HDF5 see a metadata byte it has not checked.
 module;
 #define XXH_INLINE_ALL
 #include <xxhash.h>
