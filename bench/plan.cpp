@@ -48,9 +48,10 @@ StateDict seed_rank(const Seed& f, const std::vector<ParamSpec>& all, int rank) 
   StateDict state;
   for (const ParamSpec& spec : all) {
     ShardedParam p{spec, f.gtp, f.align, {rank / f.gtp, rank % f.gtp}, DType::bf16};
-    const TensorView none = TensorView::unchecked(nullptr, DType::bf16, p.shard_shape());
-    p.shard = unchecked_borrow(TensorView::unchecked(no_memory(std::size_t{1} << 30), DType::bf16, none.shape()));
-    require(none.bytes() <= std::size_t{1} << 30, Errc::internal, "a seed shard larger than 1 GiB");
+    const Extents shape = p.shard_shape();
+    require(static_cast<std::size_t>(shape.elements()) * dtype_size(DType::bf16) <= std::size_t{1} << 30,
+            Errc::internal, "a seed shard larger than 1 GiB");
+    p.shard = unchecked_borrow(TensorView::unchecked(no_memory(std::size_t{1} << 30), DType::bf16, shape));
     state.add(std::move(p));
   }
   return state;

@@ -39,7 +39,7 @@ struct Skeleton {
 Skeleton create_skeleton(io::File& file, std::span<const Dataset> datasets, const CheckpointContents& contents,
                          std::int64_t checksum_rows);
 
-// Where a writer's checksums go: the table's address in the file and the writer's first unit.
+// Where a writer's checksums go: the table's address in the file and the index of the writer's first checksummed row.
 struct ChecksumSlot {
   std::uint64_t table_address = 0;
   std::int64_t first_checksum = 0;

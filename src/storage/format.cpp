@@ -16,7 +16,7 @@ namespace shardckpt {
 std::int64_t checksum_rows_of(const Box& box) { return box.empty() ? 0 : box.rows.size(); }
 
 std::vector<Dataset> datasets_of(std::span<const Claim> claims, std::span<const std::int64_t> first_checksums) {
-  require(first_checksums.size() == claims.size(), Errc::internal, "one first unit per claim");
+  require(first_checksums.size() == claims.size(), Errc::internal, "one first checksum per claim");
   std::map<std::string_view, std::vector<std::size_t>> by_key;
   for (std::size_t i = 0; i < claims.size(); ++i) by_key[claims[i].key].push_back(i);
   std::vector<Dataset> out;

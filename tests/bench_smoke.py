@@ -1,0 +1,24 @@
+#!/usr/bin/python3
+"""The benchmark runs every phase, small, and every value it loads is the value saved: the bench
+is a program users run, so a phase that fails or loads wrong bytes fails this test. No timing is
+checked here (figures belong to docs/performance.md, from full runs).
+Usage: bench_smoke.py SHARDCKPT_BENCH. Prints "bench: N passed, N failed"."""
+import json
+import subprocess
+import sys
+import tempfile
+
+from tally import check, finish
+
+with tempfile.TemporaryDirectory() as work:
+    run = subprocess.run([sys.argv[1], "--size-mib", "8", "--repeat", "1", "--read-repeat", "1", "--device",
+                          "emulated", "--no-h5py", "--json", "--dir", work], capture_output=True, text=True)
+    check(run.returncode == 0, f"the bench failed ({run.returncode}): {run.stderr[-2000:]}")
+    figures = json.loads(run.stdout) if run.returncode == 0 else {}
+    for key in ("save_gbps", "load_gbps", "load_into_gbps", "reshard_load_gbps", "device_save_gbps",
+                "device_load_gbps", "write_balance", "plan_seed_scale_us_per_rank", "seed_geometry_peak_rss_bytes"):
+        check(key in figures, f"no figure {key}: a phase did not run")
+    for key in ("mismatches", "replica_mismatches", "device_mismatches", "seed_geometry_mismatches"):
+        check(figures.get(key) == 0, f"{key} = {figures.get(key)}: loaded values differ from those saved")
+    check(figures.get("verified_values", 0) > 0, "the bench verified no value")
+finish("bench")
