@@ -94,6 +94,7 @@ std::int64_t raw_read_reused(const fs::path& file);
 struct Options {
   int size_mib = 1024;
   bool json_out = false;
+  std::string seed_phase;  // internal: one side of the seed-geometry phase, in a process of its own
   std::string dir;
   int repeat = 7;       // rounds of writes
   int read_repeat = 7;  // rounds of reads
@@ -187,7 +188,9 @@ struct SeedGeometry {
 // The fused weights (in_proj and conv1d) of the seed's geometry with 2 columns (406 MB of shards over
 // 512 thread ranks), saved and loaded back at the same layout: peak resident memory of the process,
 // and the seconds of each.
+// Each side runs in a fresh process of this program (run_seed_phase, for --seed-phase save|load).
 void measure_seed_geometry(const fs::path& dir, Report& report);
+int run_seed_phase(const std::string& name, const fs::path& dir);
 
 // h5py (writes.cpp): whether `python` has h5py, and one timed h5py save of the run's pieces.
 bool python_has_h5py(const std::string& python);

@@ -34,6 +34,7 @@ void add_flags(CLI::App& app, Options& o, bool& h5py_on, bool& h5py_off, bool& n
   app.add_option("--device", o.device, "where the device phase's shards live (host: skip it)")
       ->capture_default_str()->check(CLI::IsMember({"host", "emulated", "cuda"}));
   app.add_option("--only", o.only, "run one phase alone")->check(CLI::IsMember({"seed-geometry"}));
+  app.add_option("--seed-phase", o.seed_phase)->check(CLI::IsMember({"save", "load"}))->group("");  // internal
   app.add_option("--tp", o.save_layout.tp, "TP of the save")->capture_default_str()->check(positive);
   app.add_option("--gtp", o.save_layout.gtp, "GTP of the save")->capture_default_str()->check(positive);
   app.add_option("--align", o.save_layout.align, "alignment of the save")->capture_default_str()->check(CLI::Range(0, 1 << 20));
@@ -92,6 +93,7 @@ int run(const Options& o) {
   // Every buffer of 1 MiB or more gets its own mapping and goes back to the system when freed: no
   // phase then inherits memory an earlier one faulted in, and each phase's peak is its own.
   ::mallopt(M_MMAP_THRESHOLD, 1 << 20);
+  if (!o.seed_phase.empty()) return run_seed_phase(o.seed_phase, o.dir);
   check_device(o.device);
   const Directory dir(o);
   if (o.only == "seed-geometry") {

@@ -8,6 +8,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdio>
 #include <cstring>
 
 #include "bench.hpp"
@@ -39,88 +41,107 @@ std::size_t real_bytes(const SeedGeometry& g, const ParamSpec& spec, int rank, T
   return static_cast<std::size_t>(plan_rank(p.spec, p.gtp, p.align, p.coord).real_rows) * shard.row_bytes();
 }
 
-// What a phase run in a child process of its own reports: its resident memory at its highest
-// (VmHWM: the whole process, from its start), its seconds, and a count (bytes, mismatches).
+// What a phase run in a process of its own reports: its resident memory at its highest (VmHWM: the
+// whole process, from its start), its seconds, and a count (bytes, mismatches).
 struct Outcome {
   std::int64_t peak_rss = 0;
   double seconds = 0;
   std::int64_t count = 0;
 };
 
-// Runs `phase` (which returns its count) in a fresh child process, so that its peak is its own and
-// not what an earlier phase left in the allocator.
-Outcome in_child(const std::function<std::int64_t()>& phase) {
+// Runs phase `name` in a fresh process: this program exec'd with --seed-phase, so that its peak is
+// its own, not the memory of the process that started it (a forked child shares its parent's
+// resident pages, and VmHWM counts them) nor what an earlier phase left in the allocator.
+Outcome in_fresh_process(const std::string& name, const fs::path& dir) {
   int fds[2];
   if (::pipe(fds) != 0) die("pipe");
   const pid_t pid = ::fork();
   if (pid < 0) die("fork");
   if (pid == 0) {
+    ::dup2(fds[1], STDOUT_FILENO);
     ::close(fds[0]);
-    Outcome out;
-    int status = 0;
-    try {
-      out.seconds = timed([&] { out.count = phase(); });
-      out.peak_rss = proc_status_bytes("VmHWM:");
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "shardckpt-bench: seed geometry: %s\n", e.what());
-      status = 1;
-    }
-    const bool sent = ::write(fds[1], &out, sizeof out) == static_cast<ssize_t>(sizeof out);
-    ::_exit(status == 0 && sent ? 0 : 1);
+    ::close(fds[1]);
+    ::execl("/proc/self/exe", "shardckpt-bench", "--seed-phase", name.c_str(), "--dir", dir.c_str(),
+            static_cast<char*>(nullptr));
+    ::_exit(127);
   }
   ::close(fds[1]);
-  Outcome out;
-  const bool got = ::read(fds[0], &out, sizeof out) == static_cast<ssize_t>(sizeof out);
+  std::string text;
+  char buffer[256];
+  for (ssize_t n; (n = ::read(fds[0], buffer, sizeof buffer)) > 0;) text.append(buffer, static_cast<std::size_t>(n));
   ::close(fds[0]);
   int status = 0;
   ::waitpid(pid, &status, 0);
-  require(got && WIFEXITED(status) && WEXITSTATUS(status) == 0, Errc::internal,
-          "the seed-geometry phase failed in its child process");
+  Outcome out;
+  const bool parsed = std::sscanf(text.c_str(), "%lld %lf %lld", reinterpret_cast<long long*>(&out.peak_rss),
+                                  &out.seconds, reinterpret_cast<long long*>(&out.count)) == 3;
+  require(parsed && WIFEXITED(status) && WEXITSTATUS(status) == 0, Errc::internal, "the seed-geometry ", name,
+          " phase failed in its process");
   return out;
 }
 
+std::int64_t save_phase(const SeedGeometry& g, const std::vector<ParamSpec>& specs, const fs::path& path) {
+  std::atomic<std::int64_t> bytes{0};
+  run_ranks(g.ranks(), [&](ProcessGroup& group) {
+    StateDict state;
+    for (std::size_t i = 0; i < specs.size(); ++i) {
+      ShardedParam p = param_of(g, specs[i], group.rank());
+      SharedBuffer shard = SharedBuffer::zeros(p.dtype, p.shard_shape());
+      std::byte* out = shard.mut_view().data();
+      const std::size_t real = real_bytes(g, specs[i], group.rank(), shard.view());
+      for (std::size_t b = 0; b < real; ++b) out[b] = value_at(group.rank(), i, b);
+      bytes += static_cast<std::int64_t>(shard.bytes());
+      p.shard = shard;
+      state.add(std::move(p));
+    }
+    save(state, path, group);
+  });
+  return bytes.load();
+}
+
+std::int64_t load_phase(const SeedGeometry& g, const std::vector<ParamSpec>& specs, const fs::path& path) {
+  std::atomic<std::int64_t> mismatches{0};
+  run_ranks(g.ranks(), [&](ProcessGroup& group) {
+    StateDict request;
+    for (const ParamSpec& spec : specs) request.add(param_of(g, spec, group.rank()));
+    const LoadedState state = load(path, request, group);
+    for (std::size_t i = 0; i < specs.size(); ++i) {
+      const TensorView shard = state.tensor(specs[i].key).view();
+      const std::size_t real = real_bytes(g, specs[i], group.rank(), shard);
+      for (std::size_t b = 0; b < shard.bytes(); ++b)
+        if (shard.data()[b] != (b < real ? value_at(group.rank(), i, b) : std::byte{0})) {
+          ++mismatches;
+          break;
+        }
+    }
+  });
+  return mismatches.load();
+}
+
 }  // namespace
+
+int run_seed_phase(const std::string& name, const fs::path& dir) {
+  const SeedGeometry g{.cols = 2};
+  const std::vector<ParamSpec> specs = seed_specs(g);
+  const fs::path path = dir / "seed-geometry.h5";
+  try {
+    Outcome out;
+    out.seconds = timed([&] { out.count = name == "save" ? save_phase(g, specs, path) : load_phase(g, specs, path); });
+    out.peak_rss = proc_status_bytes("VmHWM:");
+    std::printf("%lld %.9f %lld\n", static_cast<long long>(out.peak_rss), out.seconds, static_cast<long long>(out.count));
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "shardckpt-bench: seed geometry (%s): %s\n", name.c_str(), e.what());
+    return 1;
+  }
+}
 
 void measure_seed_geometry(const fs::path& dir, Report& report) {
   const SeedGeometry g{.cols = 2};
   const std::vector<ParamSpec> specs = seed_specs(g);
   const fs::path path = dir / "seed-geometry.h5";
-  const Outcome saved = in_child([&] {
-    std::atomic<std::int64_t> bytes{0};
-    run_ranks(g.ranks(), [&](ProcessGroup& group) {
-      StateDict state;
-      for (std::size_t i = 0; i < specs.size(); ++i) {
-        ShardedParam p = param_of(g, specs[i], group.rank());
-        SharedBuffer shard = SharedBuffer::zeros(p.dtype, p.shard_shape());
-        std::byte* out = shard.mut_view().data();
-        const std::size_t real = real_bytes(g, specs[i], group.rank(), shard.view());
-        for (std::size_t b = 0; b < real; ++b) out[b] = value_at(group.rank(), i, b);
-        bytes += static_cast<std::int64_t>(shard.bytes());
-        p.shard = shard;
-        state.add(std::move(p));
-      }
-      save(state, path, group);
-    });
-    return bytes.load();
-  });
-  const Outcome loaded = in_child([&] {
-    std::atomic<std::int64_t> mismatches{0};
-    run_ranks(g.ranks(), [&](ProcessGroup& group) {
-      StateDict request;
-      for (const ParamSpec& spec : specs) request.add(param_of(g, spec, group.rank()));
-      const LoadedState state = load(path, request, group);
-      for (std::size_t i = 0; i < specs.size(); ++i) {
-        const TensorView shard = state.tensor(specs[i].key).view();
-        const std::size_t real = real_bytes(g, specs[i], group.rank(), shard);
-        for (std::size_t b = 0; b < shard.bytes(); ++b)
-          if (shard.data()[b] != (b < real ? value_at(group.rank(), i, b) : std::byte{0})) {
-            ++mismatches;
-            break;
-          }
-      }
-    });
-    return mismatches.load();
-  });
+  const Outcome saved = in_fresh_process("save", dir);
+  const Outcome loaded = in_fresh_process("load", dir);
   const std::int64_t peak = std::max(saved.peak_rss, loaded.peak_rss);
   const std::int64_t file_bytes = static_cast<std::int64_t>(fs::file_size(path));
   remove_file(path);
