@@ -94,7 +94,9 @@ struct EmulatedDevice::Impl {
   std::thread worker;
   std::atomic<std::uint64_t> device_allocations{0}, device_bytes{0}, pinned_allocations{0}, pinned_bytes{0},
       copies_to_host{0}, bytes_to_host{0}, copies_to_device{0}, bytes_to_device{0}, zero_fills{0};
-  std::atomic<std::uint64_t> live_device_bytes{0};
+  // Shared with every allocation, which gives its pages back to this count when freed: an allocation
+  // may outlive the engine that made it.
+  std::shared_ptr<std::atomic<std::uint64_t>> live_device_bytes = std::make_shared<std::atomic<std::uint64_t>>(0);
 
   void run() {
     std::unique_lock lock(mutex);
@@ -168,12 +170,11 @@ SharedBuffer EmulatedDevice::allocate_device(DType dtype, Extents shape) {
   void* p = map_pages(size, PROT_NONE);
   ++impl_->device_allocations;
   impl_->device_bytes += bytes;
-  impl_->live_device_bytes += size;
+  *impl_->live_device_bytes += size;
   count_allocation(bytes);
-  Impl* impl = impl_.get();
-  return SharedBuffer(
-      std::make_shared<MappedPages>(p, size, device(), false, [size, impl] { impl->live_device_bytes -= size; }), dtype,
-      shape);
+  return SharedBuffer(std::make_shared<MappedPages>(p, size, device(), false,
+                                                    [size, live = impl_->live_device_bytes] { *live -= size; }),
+                      dtype, shape);
 }
 
 void EmulatedDevice::copy_to_host(TensorView device_src, MutTensorView host_dst) {
@@ -224,7 +225,7 @@ EngineStats EmulatedDevice::stats() const {
 
 // An emulated device of 64 GiB.
 std::size_t EmulatedDevice::free_device_memory() const {
-  return (std::size_t{64} << 30) - static_cast<std::size_t>(impl_->live_device_bytes.load());
+  return (std::size_t{64} << 30) - static_cast<std::size_t>(impl_->live_device_bytes->load());
 }
 
 StagingPool::StagingPool(std::shared_ptr<CopyEngine> engine, std::size_t buffer_bytes, int buffers)

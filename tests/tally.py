@@ -2,7 +2,7 @@
 scripts/test.sh adds up."""
 import sys
 
-passed = failed = 0
+passed = failed = skipped = 0
 
 
 def check(ok, what):
@@ -14,6 +14,13 @@ def check(ok, what):
         print("FAIL:", what, flush=True)
 
 
+def skip(what, why):
+    """A check that cannot run here: said, counted as skipped, never as passed."""
+    global skipped
+    skipped += 1
+    print(f"SKIP: {what} ({why})", flush=True)
+
+
 def finish(name):
-    print(f"{name}: {passed} passed, {failed} failed")
+    print(f"{name}: {passed} passed, {failed} failed" + (f", {skipped} skipped" if skipped else ""))
     sys.exit(1 if failed else 0)

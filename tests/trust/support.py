@@ -33,6 +33,21 @@ Z = "decoder.layers.0.mixer.in_proj.weight.z"  # a tensor every demo model has
 is_root = os.geteuid() == 0
 
 
+def _sanitized(path):
+    """Whether the tool was built with ASan: its runtime reserves terabytes of shadow address space
+    (so no limit on address space lets it start) and needs descriptors of its own (UBSan's vptr check
+    opens a pipe to probe memory, and reports a false error when it cannot)."""
+    found = shutil.which(path) if os.sep not in path else path
+    try:
+        with open(found, "rb") as f:
+            return b"__asan_init" in f.read()
+    except (OSError, TypeError):
+        return False
+
+
+sanitized = _sanitized(exe)
+
+
 class Result:
     def __init__(self, rc, out, err):
         self.rc, self.out, self.err = rc, out, err
