@@ -1,0 +1,108 @@
+"""shardckpt: save and load GTP-sharded tensor-parallel weights as HDF5 checkpoints, without ever
+gathering a full tensor. The Python face of the C++ library (docs/python.md): tensors come in place
+through DLPack (torch, numpy, JAX, CuPy), torch.distributed is the process group (TorchGroup), and
+every save and load is the library's own.
+"""
+import os
+import sys
+
+from . import _core
+from ._core import (AsyncSave, Error, ParamSpec, Section, ShardedParam, ShardedTensor, SsmDims, StateDict,
+                    gdp_conv1d_sections, gdp_in_proj_sections, mamba_conv1d_sections, mamba_in_proj_sections,
+                    plain_sections)
+from ._torch import TorchGroup
+
+__version__ = _core.__version__
+__all__ = ["AsyncSave", "Error", "ParamSpec", "Saver", "Section", "ShardedParam", "ShardedTensor", "SsmDims",
+           "StateDict", "TorchGroup", "gdp_conv1d_sections", "gdp_in_proj_sections", "inspect", "load", "load_into",
+           "mamba_conv1d_sections", "mamba_in_proj_sections", "plain_sections", "read", "save", "verify"]
+
+
+def _group(group):
+    """None (this process alone), a TorchGroup, or a torch.distributed ProcessGroup."""
+    if group is None or isinstance(group, TorchGroup):
+        return group
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and isinstance(group, dist.ProcessGroup):
+        return TorchGroup(group)
+    return group  # any object with the group protocol; the library names a missing method
+
+
+def _sync_cuda():
+    """Device shards are read by the library's own CUDA stream: what torch queued must be done first."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def _as_torch(loaded):
+    """The library's tensors as torch tensors (no copy), values as they are."""
+    import torch.utils.dlpack
+    return {k: torch.utils.dlpack.from_dlpack(v) if isinstance(v, _core.Tensor) else v for k, v in loaded.items()}
+
+
+def save(state, path, group=None, **options):
+    """Saves every rank's `state` (a StateDict) as one checkpoint at `path` (collective).
+    Options: method="raw"|"hyperslab", checksums=True."""
+    _sync_cuda()
+    _core.save(state, os.fspath(path), _group(group), **options)
+
+
+def load_into(path, state, group=None, **options):
+    """Fills the tensors of `state` in place at their layout (any TP, GTP, alignment) and returns the
+    checkpoint's common values (and the state's local ones) as a dict. Options: method,
+    verify_checksums=True, bypass_page_cache=False."""
+    _sync_cuda()
+    values = _core.load_into(os.fspath(path), state, _group(group), **options)
+    _sync_cuda()
+    return values
+
+
+def load(path, request, group=None, **options):
+    """Loads the entries of `request` (a StateDict without data) into memory the library allocates:
+    a dict from each tensor key to a torch tensor, and from each common value's key to its value."""
+    return _as_torch(_core.load(os.fspath(path), request, _group(group), **options))
+
+
+def read(path, tp=1, tp_rank=0):
+    """Every tensor of a checkpoint at TP degree `tp`, as TP rank `tp_rank` holds it: each parameter's
+    TP-local weight (its fused blocks joined in row order; at tp=1 the plain weight) as a torch
+    tensor, loaded by the library (every byte checked against its checksum)."""
+    return {k: v for k, v in _as_torch(_core.read(os.fspath(path), tp, tp_rank)).items() if hasattr(v, "dtype")}
+
+
+def inspect(path):
+    """The checkpoint's tensors, parameter records, common values and id, as a dict."""
+    return _core.inspect(os.fspath(path))
+
+
+def verify(path):
+    """Checks every byte of the checkpoint against its checksum; returns the report, or raises
+    shardckpt.Error (code "corrupt") naming the first rows that differ."""
+    report = _core.verify(os.fspath(path))
+    if report["mismatches"]:
+        error = Error(f"{os.fspath(path)}: {report['mismatches']} checksummed rows differ from their checksums: "
+                      + "; ".join(report["problems"]))
+        error.code = "corrupt"
+        raise error
+    return report
+
+
+class Saver:
+    """Repeated saves of one rank, and saves in the background (collective to make: every rank
+    makes one). save_async returns once this rank's bytes are staged in pinned host memory; the
+    handle's wait() returns the collective outcome or raises it."""
+
+    def __init__(self, group=None, cuda_device=None, async_staging_bytes=0):
+        self._saver = _core.Saver(_group(group), cuda_device, async_staging_bytes)
+
+    def save(self, state, path):
+        _sync_cuda()
+        self._saver.save(state, os.fspath(path))
+
+    def save_async(self, state, path):
+        _sync_cuda()
+        return self._saver.save_async(state, os.fspath(path))
+
+    def staging_bytes(self):
+        return self._saver.staging_bytes()

@@ -1,0 +1,111 @@
+"""TorchGroup: shardckpt's process group over a torch.distributed group.
+
+Every collective the library needs goes through the group's own torch.distributed calls: metadata
+as uint8 tensors (torch 1.13's gloo refuses bf16, so rows move as bytes too), and tensor rows in
+place: each member broadcasts its share of the rows straight into the other members' memory.
+"""
+import json
+
+
+class TorchGroup:
+    """shardckpt's process group over the torch.distributed group `pg` (the default group when
+    None): gloo moves host memory, NCCL device memory. `private` is a second group of the same
+    processes for a Saver's background saves when `pg` is not the default group (torch makes a new
+    group only with every process of the job, so a subgroup cannot be split)."""
+
+    def __init__(self, pg=None, private=None, _members=None):
+        import torch
+        import torch.distributed as dist
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("TorchGroup: torch.distributed is not initialized "
+                               "(call torch.distributed.init_process_group, or start the job with torchrun)")
+        self._torch, self._dist, self._pg, self._private = torch, dist, pg, private
+        self._world = dist.get_world_size()
+        ranks = list(range(self._world)) if pg is None else list(dist.get_process_group_ranks(pg))
+        self._sorted = sorted(ranks)
+        self._members = list(_members) if _members is not None else self._sorted
+        self._rank = self._members.index(dist.get_rank())
+        # Collective results come in the group's own rank order (ascending global rank).
+        self._group_rank = [self._sorted.index(g) for g in self._members]
+        self._nccl = dist.get_backend(pg) == "nccl"
+        self._device = torch.device("cuda", torch.cuda.current_device()) if self._nccl else torch.device("cpu")
+
+    # The group protocol shardckpt's C++ library calls (with the GIL), and what a user may ask.
+    def rank(self):
+        return self._rank
+
+    def size(self):
+        return len(self._members)
+
+    def moves_device(self):
+        return self._nccl
+
+    def supports_background(self):
+        return True
+
+    def barrier(self):
+        self._dist.barrier(group=self._pg)
+
+    def _uint8(self, data):
+        t = self._torch
+        if not data:
+            return t.zeros(0, dtype=t.uint8, device=self._device)
+        return t.frombuffer(bytearray(data), dtype=t.uint8).to(self._device)
+
+    def all_gather_bytes(self, data):
+        t, dist = self._torch, self._dist
+        n = len(self._members)
+        size = t.tensor([len(data)], dtype=t.int64, device=self._device)
+        sizes = [t.zeros(1, dtype=t.int64, device=self._device) for _ in range(n)]
+        dist.all_gather(sizes, size, group=self._pg)
+        sizes = [int(s.item()) for s in sizes]
+        longest = max(max(sizes), 1)
+        mine = t.zeros(longest, dtype=t.uint8, device=self._device)
+        mine[:len(data)] = self._uint8(data)
+        everyone = [t.empty(longest, dtype=t.uint8, device=self._device) for _ in range(n)]
+        dist.all_gather(everyone, mine, group=self._pg)
+        by_group = [bytes(everyone[i][:sizes[i]].cpu().numpy()) for i in range(n)]
+        return [by_group[self._group_rank[i]] for i in range(n)]
+
+    def broadcast_bytes(self, data, root):
+        t, dist = self._torch, self._dist
+        src = self._members[root]
+        size = t.tensor([len(data) if root == self._rank else 0], dtype=t.int64, device=self._device)
+        dist.broadcast(size, src=src, group=self._pg)
+        buf = self._uint8(data) if root == self._rank else t.empty(int(size.item()), dtype=t.uint8,
+                                                                    device=self._device)
+        if buf.numel():
+            dist.broadcast(buf, src=src, group=self._pg)
+        return bytes(buf.cpu().numpy())
+
+    def all_gather_rows(self, rows, bytes_per_member):
+        """In place: member i fills bytes_per_member[i] bytes of `rows` (a DLPack capsule of uint8,
+        in member order); each broadcasts its share into the others' memory."""
+        view = self._torch.utils.dlpack.from_dlpack(rows)
+        start = 0
+        for i, n in enumerate(bytes_per_member):
+            if n:
+                self._dist.broadcast(view[start:start + n], src=self._members[i], group=self._pg)
+            start += n
+
+    def split(self, color, key):
+        """The members of `color`, ranked by `key` (collective)."""
+        mine = json.dumps([color, key, self._members[self._rank]]).encode()
+        everyone = [json.loads(b) for b in self.all_gather_bytes(mine)]
+        if self._private is not None:
+            if any(c != everyone[0][0] for c, _, _ in everyone):
+                raise RuntimeError("TorchGroup.split: a group with a private group splits only into one color")
+            order = [g for _, _, g in sorted((k, r, g) for r, (_, k, g) in enumerate(everyone))]
+            return TorchGroup(self._private, _members=order)
+        if len(self._sorted) != self._world:
+            raise RuntimeError("TorchGroup.split: torch.distributed makes a group only with every process of the "
+                               "job, so a TorchGroup over a subgroup cannot split; give it a second group of the "
+                               "same processes: TorchGroup(pg, private=torch.distributed.new_group(ranks))")
+        mine_group = None
+        for c in sorted({c for c, _, _ in everyone}):
+            order = [g for _, _, g in sorted((k, r, g) for r, (cc, k, g) in enumerate(everyone) if cc == c)]
+            backend = self._dist.get_backend(self._pg)
+            pg = self._dist.new_group(ranks=sorted(order), backend=backend)  # every process makes every group
+            if c == color:
+                mine_group = TorchGroup(pg, _members=order)
+        return mine_group

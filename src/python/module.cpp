@@ -1,0 +1,265 @@
+// shardckpt._core: the extension module under the Python package shardckpt (python/shardckpt).
+// Its names are the C++ library's, in Python style; shardckpt.Error carries the library's message
+// and its code. This file: the error, the values, the layout types and the state dict.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <variant>
+#include <vector>
+
+import shardckpt;
+
+#include "binding.hpp"
+
+namespace shardckpt::python {
+
+void bind_tensor(py::module_& m);
+
+CommonValue common_value(py::handle value, std::string_view key) {
+  // bool is an int in Python; a flag saved as 0/1 reads back as an int, so say so up front.
+  if (py::isinstance<py::bool_>(value)) return CommonValue{std::int64_t{value.cast<bool>()}};
+  if (py::isinstance<py::int_>(value)) {
+    try {
+      return CommonValue{value.cast<std::int64_t>()};
+    } catch (const py::cast_error&) {
+      throw py::value_error(cat(key, ": an int outside int64"));
+    }
+  }
+  if (py::isinstance<py::float_>(value)) return CommonValue{value.cast<double>()};
+  if (py::isinstance<py::str>(value)) return CommonValue{value.cast<std::string>()};
+  throw py::type_error(cat(key, ": a common value is an int, a float or a str, not a ",
+                           std::string(py::str(py::type::of(value).attr("__name__")))));
+}
+
+py::object python_value(const CommonValue& value) {
+  return std::visit([](const auto& v) { return py::object(py::cast(v)); }, value);
+}
+
+py::dict python_values(const Values& values) {
+  py::dict out;
+  for (const auto& [key, value] : values) out[py::str(key)] = python_value(value);
+  return out;
+}
+
+namespace {
+
+// A parameter and the Python object its shard came from (handed back by .shard).
+struct Param {
+  ShardedParam param;
+  py::object shard = py::none();
+};
+
+DType dtype_arg(py::handle dtype) {
+  std::string name = py::str(dtype);
+  if (name.starts_with("torch.")) name = name.substr(6);
+  static const std::map<std::string, std::string, std::less<>> aliases = {
+      {"bfloat16", "bf16"}, {"float16", "f16"}, {"half", "f16"},  {"float32", "f32"},  {"float", "f32"},
+      {"float64", "f64"},   {"double", "f64"},  {"int8", "i8"},   {"int16", "i16"},    {"int32", "i32"},
+      {"int64", "i64"},     {"uint8", "u8"},    {"uint16", "u16"}, {"uint32", "u32"}, {"uint64", "u64"}};
+  if (auto it = aliases.find(name); it != aliases.end()) name = it->second;
+  try {
+    return parse_dtype(name);
+  } catch (const Error&) {
+    throw py::type_error(cat("dtype ", name, ": shardckpt stores bf16, f16, f32, f64 and integers of 8 to 64 bits"));
+  }
+}
+
+void set_shard(Param& p, py::object tensor) {
+  if (tensor.is_none()) {
+    p.param.shard = {};
+    p.shard = py::none();
+    return;
+  }
+  const std::string& key = p.param.spec.key;
+  SharedBuffer buffer = buffer_from_dlpack(tensor, key);
+  const Extents want = p.param.shard_shape();
+  if (buffer.shape() != want)
+    throw py::value_error(cat(key, ": a shard of shape ", dims_text(buffer.shape().dims()), ", not the ",
+                              p.param.flat ? "flat range's " : "padded shard's ", dims_text(want.dims()),
+                              " (ShardedParam.padded_shape())"));
+  p.param.dtype = buffer.dtype();
+  p.param.shard = TensorRef(std::move(buffer));
+  p.shard = std::move(tensor);
+}
+
+py::tuple shape_tuple(const Extents& e) { return py::tuple(py::cast(e.to_vector())); }
+
+void bind_specs(py::module_& m) {
+  py::class_<SsmDims>(m, "SsmDims", "Global model sizes the fused layouts are computed from.")
+      .def(py::init([](std::int64_t heads, std::int64_t head_dim, std::int64_t groups, std::int64_t state,
+                       std::int64_t householder) { return SsmDims{heads, head_dim, groups, state, householder}; }),
+           py::arg("heads"), py::arg("head_dim"), py::arg("groups"), py::arg("state"), py::arg("householder") = 1)
+      .def_readwrite("heads", &SsmDims::heads)
+      .def_readwrite("head_dim", &SsmDims::head_dim)
+      .def_readwrite("groups", &SsmDims::groups)
+      .def_readwrite("state", &SsmDims::state)
+      .def_readwrite("householder", &SsmDims::householder);
+  py::class_<Section>(m, "Section", "A named run of TP-local rows of a fused weight ('' for a plain one).")
+      .def(py::init([](std::string name, std::int64_t rows) { return Section{std::move(name), rows}; }),
+           py::arg("name"), py::arg("rows"))
+      .def_readonly("name", &Section::name)
+      .def_readonly("rows", &Section::rows)
+      .def("__eq__", [](const Section& a, const Section& b) { return a == b; })
+      .def("__repr__", [](const Section& s) { return cat("Section(", std::string(py::repr(py::str(s.name))), ", ", s.rows, ")"); });
+  m.def("gdp_in_proj_sections", &gdp_in_proj_sections, py::arg("dims"), py::arg("tp"));
+  m.def("gdp_conv1d_sections", &gdp_conv1d_sections, py::arg("dims"), py::arg("tp"));
+  m.def("mamba_in_proj_sections", &mamba_in_proj_sections, py::arg("dims"), py::arg("tp"));
+  m.def("mamba_conv1d_sections", &mamba_conv1d_sections, py::arg("dims"), py::arg("tp"));
+  m.def("plain_sections", &plain_sections, py::arg("rows"));
+  py::class_<ParamSpec>(m, "ParamSpec", "One parameter as a TP rank holds it before GTP.")
+      .def(py::init([](std::string key, std::vector<Section> sections, std::vector<std::int64_t> trailing,
+                       const std::string& tp_axis, std::int64_t tp) {
+             ParamSpec s{std::move(key), std::move(sections), std::move(trailing), parse_tp_axis(tp_axis), tp};
+             validate(s);
+             return s;
+           }),
+           py::arg("key"), py::arg("sections"), py::arg("trailing"), py::arg("tp_axis") = "rows", py::arg("tp") = 1)
+      .def_readonly("key", &ParamSpec::key)
+      .def_readonly("sections", &ParamSpec::sections)
+      .def_readonly("trailing", &ParamSpec::trailing)
+      .def_property_readonly("tp_axis", [](const ParamSpec& s) { return std::string(tp_axis_name(s.tp_axis)); })
+      .def_readonly("tp", &ParamSpec::tp)
+      .def("rows", &ParamSpec::rows, "TP-local rows, all sections together.");
+}
+
+void bind_param(py::module_& m) {
+  py::class_<Param>(m, "ShardedParam", "A GTP-sharded parameter as one rank holds it (its padded shard).")
+      .def(py::init([](const ParamSpec& spec, std::int64_t gtp, std::int64_t align, std::int64_t tp_rank,
+                       std::int64_t gtp_rank, py::object shard, int replica_id, int replicas, py::object dtype,
+                       std::optional<std::pair<std::int64_t, std::int64_t>> flat) {
+             Param p;
+             p.param.spec = spec;
+             p.param.gtp = gtp;
+             p.param.align = align;
+             p.param.coord = {tp_rank, gtp_rank};
+             p.param.replica_id = replica_id;
+             p.param.replicas = replicas;
+             if (flat) p.param.flat = Range{flat->first, flat->second};
+             if (!dtype.is_none()) p.param.dtype = dtype_arg(dtype);
+             (void)p.param.geometry();  // the geometry's errors now, not at the save
+             set_shard(p, std::move(shard));
+             if (!dtype.is_none() && p.param.dtype != dtype_arg(dtype))
+               throw py::type_error(cat(spec.key, ": a ", dtype_name(p.param.dtype), " shard, not ",
+                                        dtype_name(dtype_arg(dtype))));
+             return p;
+           }),
+           py::arg("spec"), py::arg("gtp"), py::arg("align"), py::arg("tp_rank"), py::arg("gtp_rank"),
+           py::arg("shard") = py::none(), py::arg("replica_id") = 0, py::arg("replicas") = 1,
+           py::arg("dtype") = py::none(), py::arg("flat") = py::none())
+      .def_property_readonly("spec", [](const Param& p) { return p.param.spec; })
+      .def_property_readonly("key", [](const Param& p) { return p.param.spec.key; })
+      .def_property_readonly("dtype", [](const Param& p) { return std::string(dtype_name(p.param.dtype)); })
+      .def_property_readonly("gtp", [](const Param& p) { return p.param.gtp; })
+      .def_property_readonly("align", [](const Param& p) { return p.param.align; })
+      .def_property_readonly("tp_rank", [](const Param& p) { return p.param.coord.tp_rank; })
+      .def_property_readonly("gtp_rank", [](const Param& p) { return p.param.coord.gtp_rank; })
+      .def_property("shard", [](const Param& p) { return p.shard; }, &set_shard)
+      .def("padded_shape", [](const Param& p) { return shape_tuple(p.param.padded_shape()); })
+      .def("shard_shape", [](const Param& p) { return shape_tuple(p.param.shard_shape()); })
+      .def("real_rows", [](const Param& p) { return p.param.geometry().real_count(p.param.coord.gtp_rank); })
+      .def("optimizer_state",
+           [](const Param& p, const std::string& name, py::object shard, py::object dtype) {
+             Param s;
+             s.param = optimizer_state(p.param, name, dtype.is_none() ? DType::f32 : dtype_arg(dtype));
+             set_shard(s, std::move(shard));
+             return s;
+           },
+           py::arg("name"), py::arg("shard") = py::none(), py::arg("dtype") = py::none(),
+           "The companion that holds optimizer state `name` (exp_avg, exp_avg_sq, ...), same layout.")
+      .def("__repr__", [](const Param& p) { return p.param.describe(); });
+}
+
+struct TensorEntry {
+  ShardedTensor tensor;
+  py::object data = py::none();
+};
+
+void bind_tensor_entry(py::module_& m) {
+  py::class_<TensorEntry>(m, "ShardedTensor", "A shard of a tensor under its global key, at its global offset.")
+      .def(py::init([](std::string key, py::object data, std::vector<std::int64_t> global_shape,
+                       std::vector<std::int64_t> global_offset, int replica_id, int replicas) {
+             TensorEntry t;
+             SharedBuffer buffer = buffer_from_dlpack(data, key);
+             t.tensor = ShardedTensor::of(std::move(key), TensorRef(std::move(buffer)), std::move(global_shape),
+                                          std::move(global_offset), replica_id, replicas);
+             t.data = std::move(data);
+             return t;
+           }),
+           py::arg("key"), py::arg("data"), py::arg("global_shape"), py::arg("global_offset"),
+           py::arg("replica_id") = 0, py::arg("replicas") = 1)
+      .def_static("expect",
+                  [](std::string key, py::object dtype, std::vector<std::int64_t> shape,
+                     std::vector<std::int64_t> global_shape, std::vector<std::int64_t> global_offset) {
+                    TensorEntry t;
+                    t.tensor = ShardedTensor::expect(std::move(key), dtype_arg(dtype), Extents(std::span(shape)),
+                                                     std::move(global_shape), std::move(global_offset));
+                    return t;
+                  },
+                  py::arg("key"), py::arg("dtype"), py::arg("shape"), py::arg("global_shape"),
+                  py::arg("global_offset"), "A load request's entry: load() allocates it.")
+      .def_property_readonly("key", [](const TensorEntry& t) { return t.tensor.key; })
+      .def_property_readonly("data", [](const TensorEntry& t) { return t.data; });
+}
+
+}  // namespace
+
+void bind_state(py::module_& m) {
+  bind_param(m);
+  bind_tensor_entry(m);
+  py::class_<PyStateDict>(m, "StateDict", "A rank's state: parameters, tensors, common and local values.")
+      .def(py::init<>())
+      .def("add", [](PyStateDict& s, const Param& p) { s.state.add(p.param); s.objects.append(p.shard); })
+      .def("add", [](PyStateDict& s, const TensorEntry& t) { s.state.add(t.tensor); s.objects.append(t.data); })
+      .def("add_common", [](PyStateDict& s, std::string key, py::handle v) {
+        CommonValue value = common_value(v, key);
+        s.state.add_common(std::move(key), std::move(value));
+      })
+      .def("add_local", [](PyStateDict& s, std::string key, py::handle v) {
+        CommonValue value = common_value(v, key);
+        s.state.add_local(std::move(key), std::move(value));
+      })
+      .def("keys", [](const PyStateDict& s) {
+        std::vector<std::string> keys;
+        for (const ShardedParam& p : s.state.params()) keys.push_back(p.spec.key);
+        for (const ShardedTensor& t : s.state.tensors()) keys.push_back(t.key);
+        for (const auto& [k, v] : s.state.common()) keys.push_back(k);
+        for (const auto& [k, v] : s.state.local()) keys.push_back(k);
+        return keys;
+      })
+      .def_property_readonly("common", [](const PyStateDict& s) { return python_values(s.state.common()); })
+      .def("__len__", [](const PyStateDict& s) {
+        return s.state.params().size() + s.state.tensors().size() + s.state.common().size() + s.state.local().size();
+      });
+}
+
+void bind_layout(py::module_& m) { bind_specs(m); }
+
+}  // namespace shardckpt::python
+
+PYBIND11_MODULE(_core, m) {
+  namespace sp = shardckpt::python;
+  namespace py = pybind11;
+  m.doc() = "shardckpt's C++ library, bound for Python (use the package shardckpt)";
+  m.attr("__version__") = std::string(shardckpt::library_version());
+  static py::exception<shardckpt::Error> error(m, "Error", PyExc_RuntimeError);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const shardckpt::Error& e) {
+      py::object exc = py::reinterpret_borrow<py::object>(error)(py::str(std::string(e.message())));
+      exc.attr("code") = std::string(shardckpt::errc_name(e.code()));
+      PyErr_SetObject(error.ptr(), exc.ptr());
+    }
+  });
+  sp::bind_tensor(m);
+  sp::bind_layout(m);
+  sp::bind_state(m);
+  sp::bind_io(m);
+}

@@ -1,0 +1,85 @@
+"""One process of a gloo job (tests/python/test_torch_group.py): `save TP GTP ALIGN DIR` saves
+its shards of two fused weights (and Adam-like f32 state, and a step) with TorchGroup; `load TP GTP
+ALIGN DIR` loads them back at its own layout and checks every row against the reference;
+`async ...` saves through a Saver in the background while it keeps computing; `badshape ...` has
+rank 1 pass a wrong dtype, so that every rank must raise the same error."""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+import shardckpt as sc  # noqa: E402
+from support import reference, shard_of, spec_at  # noqa: E402
+
+
+def state_at(tp, gtp, align, rank, fill=True):
+    tp_rank, gtp_rank = rank // gtp, rank % gtp
+    state = sc.StateDict()
+    params = []
+    for kind in ("gdp", "mamba"):
+        p = sc.ShardedParam(spec_at(tp, kind), gtp=gtp, align=align, tp_rank=tp_rank, gtp_rank=gtp_rank,
+                            dtype=torch.bfloat16)
+        weight = reference(tp, tp_rank, kind)
+        p.shard = shard_of(weight, p) if fill else torch.full(p.padded_shape(), 7, dtype=torch.bfloat16)
+        m = p.optimizer_state("exp_avg", dtype=torch.float32)
+        m.shard = shard_of(weight.float() / 3, p) if fill else torch.full(p.padded_shape(), 7.0)
+        state.add(p)
+        state.add(m)
+        params.append((p, m, weight))
+    if fill:
+        state.add_common("step", 42)
+    return state, params
+
+
+def main():
+    what, tp, gtp, align, path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    group = sc.TorchGroup()
+    if what == "save":
+        state, _ = state_at(tp, gtp, align, rank)
+        sc.save(state, path, group)
+    elif what == "async":
+        state, params = state_at(tp, gtp, align, rank)
+        saver = sc.Saver(group)
+        handle = saver.save_async(state, path)
+        for p, m, _ in params:  # the caller may change its shards as soon as save_async returns
+            p.shard.fill_(-1)
+            m.shard.fill_(-1)
+        x = torch.ones(1)
+        dist.all_reduce(x)  # the caller's own collectives go on beside the background save
+        handle.wait()
+        print("async done", handle.done(), int(x.item()))
+    elif what == "badshape":
+        state = sc.StateDict()
+        tp_rank, gtp_rank = rank // gtp, rank % gtp
+        dtype = torch.float32 if rank == 1 else torch.bfloat16
+        p = sc.ShardedParam(spec_at(tp), gtp=gtp, align=align, tp_rank=tp_rank, gtp_rank=gtp_rank,
+                            shard=torch.zeros(sc.ShardedParam(spec_at(tp), gtp, align, tp_rank, gtp_rank).padded_shape(),
+                                              dtype=dtype))
+        state.add(p)
+        try:
+            sc.save(state, path, group)
+        except sc.Error as e:
+            print(f"ERROR {e.code}: {e}")
+            return
+        print("saved")
+    elif what == "load":
+        state, params = state_at(tp, gtp, align, rank, fill=False)
+        values = sc.load_into(path, state, group)
+        assert values == {"step": 42}, values
+        for p, m, weight in params:
+            want = shard_of(weight, p)
+            assert torch.equal(p.shard, want), (p, p.shard, want)
+            assert torch.equal(m.shard, shard_of(weight.float() / 3, p)), m
+            real = p.real_rows()
+            assert not p.shard[real:].any(), "pad rows must be zero"
+        print("loaded", [tuple(p.shard.shape) for p, _, _ in params])
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
