@@ -113,6 +113,10 @@ struct PyAsyncSave {
   PyAsyncSave() = default;
   PyAsyncSave(PyAsyncSave&&) = default;
   ~PyAsyncSave() {
+    if (_Py_IsFinalizing()) {  // the interpreter is going: no thread state to release
+      save.reset();
+      return;
+    }
     py::gil_scoped_release nogil;
     save.reset();
   }
@@ -123,6 +127,10 @@ struct PySaver {
   PySaver() = default;
   PySaver(PySaver&&) = default;
   ~PySaver() {
+    if (_Py_IsFinalizing()) {  // the interpreter is going: no thread state to release
+      saver.reset();
+      return;
+    }
     py::gil_scoped_release nogil;
     saver.reset();
   }
