@@ -117,7 +117,7 @@ TEST(StateDicts, KeysAreUniqueAcrossKinds) {
   EXPECT_EQ(error_of([&] { s.add_local("k", std::int64_t{2}); }).code(), Errc::invalid_argument);
   EXPECT_EQ(
       error_of([&] {
-        s.add(ShardedParam{ParamSpec{"p", plain_sections(4), {}, TpAxis::rows, 1}, 2, 0, {0, 2}, DType::f32});
+        s.add(ShardedParam{ParamSpec{"p", plain_sections(4), {}, TpAxis::rows, 1, {}}, 2, 0, {0, 2}, DType::f32});
       }).code(),
       Errc::invalid_argument);  // GTP rank 2 of a group of 2
 }
