@@ -18,7 +18,7 @@ using Seed = SeedGeometry;
 std::pair<double, double> plan_in_proj(const Seed& f, std::vector<ParamSpec>& specs) {
   for (int layer = 0; layer < f.layers; ++layer)
     specs.push_back({cat("decoder.layers.", layer, ".mixer.in_proj.weight"), gdp_in_proj_sections(f.dims, f.tp),
-                     {f.cols}, TpAxis::rows, f.tp});
+                     {f.cols}, TpAxis::rows, f.tp, ssm_divisors(f.dims)});
   require(specs[0].rows() == 61760, Errc::layout, "the seed dims give ", specs[0].rows(), " TP-local rows, not 61,760");
   double best = 1e30;
   std::size_t pieces = 0;

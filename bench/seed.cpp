@@ -21,8 +21,10 @@ std::vector<ParamSpec> seed_specs(const SeedGeometry& g) {
   std::vector<ParamSpec> out;
   for (int layer = 0; layer < g.layers; ++layer) {
     const std::string prefix = cat("decoder.layers.", layer, ".mixer.");
-    out.push_back({prefix + "in_proj.weight", gdp_in_proj_sections(g.dims, g.tp), {2}, TpAxis::rows, g.tp});
-    out.push_back({prefix + "conv1d.weight", gdp_conv1d_sections(g.dims, g.tp), {1, 4}, TpAxis::rows, g.tp});
+    out.push_back({prefix + "in_proj.weight", gdp_in_proj_sections(g.dims, g.tp), {2}, TpAxis::rows, g.tp,
+                   ssm_divisors(g.dims)});
+    out.push_back({prefix + "conv1d.weight", gdp_conv1d_sections(g.dims, g.tp), {1, 4}, TpAxis::rows, g.tp,
+                   ssm_divisors(g.dims)});
   }
   return out;
 }

@@ -9,6 +9,7 @@ module;
 #include <cstdint>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 export module shardckpt.layout;
 import shardckpt.core;
@@ -65,6 +66,19 @@ struct Section {
   friend bool operator==(const Section&, const Section&) = default;
 };
 
+// A global model size that the TP degree must divide ({"heads", 8}, {"groups", 4}): TP ranks split
+// whole heads and groups, so a TP that divides the rows of every block but not the heads is no
+// layout of the model. Parameters carry theirs, and so do the records of a checkpoint.
+struct TpDivisor {
+  std::string name;
+  std::int64_t count = 0;
+  friend bool operator==(const TpDivisor&, const TpDivisor&) = default;
+};
+
+// Throws Errc::layout unless `tp` divides every divisor, with the one message of that refusal:
+// `<key>: heads (8) does not divide by TP 3` (no `<key>: ` when `key` is empty). Also throws when tp < 1.
+void require_tp_divides(std::string_view key, std::span<const TpDivisor> divisors, std::int64_t tp);
+
 // Global model sizes that fused layouts are computed from.
 struct SsmDims {
   std::int64_t heads = 0;
@@ -74,8 +88,12 @@ struct SsmDims {
   std::int64_t householder = 1;
 };
 
-// TP-local sections of the fused layouts (SPEC.md, "Fused layouts"). Throw Errc::layout when heads
-// or groups do not divide by tp, or a size is not positive.
+// What TP must divide in a model of `dims`: {{"heads", dims.heads}, {"groups", dims.groups}}. The
+// divisors of every parameter whose layout is computed from them (fused GDP and Mamba weights).
+std::vector<TpDivisor> ssm_divisors(const SsmDims& dims);
+
+// TP-local sections of the fused layouts (SPEC.md, "Fused layouts"). Throw Errc::layout when a size
+// is not positive, or heads or groups do not divide by tp (require_tp_divides, without a key).
 std::vector<Section> gdp_in_proj_sections(const SsmDims& dims, std::int64_t tp);
 std::vector<Section> gdp_conv1d_sections(const SsmDims& dims, std::int64_t tp);
 std::vector<Section> mamba_in_proj_sections(const SsmDims& dims, std::int64_t tp);
@@ -91,21 +109,25 @@ enum class TpAxis : std::uint8_t { rows, cols, replicated };
 std::string_view tp_axis_name(TpAxis axis) noexcept;
 TpAxis parse_tp_axis(std::string_view name);
 
-// One parameter as a TP rank holds it before GTP: key, sections (TP-local rows, in row order) and
-// the TP-local trailing dims, whose elements are contiguous per row.
+// One parameter as a TP rank holds it before GTP: key, sections (TP-local rows, in row order), the
+// TP-local trailing dims, whose elements are contiguous per row, and the global model sizes that
+// its TP degree must divide (ssm_divisors for a fused GDP or Mamba weight; none for most weights).
 struct ParamSpec {
   std::string key;
   std::vector<Section> sections;
   std::vector<std::int64_t> trailing;
   TpAxis tp_axis = TpAxis::rows;
   std::int64_t tp = 1;
+  std::vector<TpDivisor> divisors;
 
   // R: TP-local rows, all sections together; C: elements of one row. Throw Errc::layout on overflow.
   std::int64_t rows() const;
   std::int64_t row_elems() const;
 };
 
-// Throws Errc::layout (or invalid_argument for the key) when the spec cannot be planned.
+// Throws Errc::layout (or invalid_argument for the key) when the spec cannot be planned: among
+// others when tp does not divide a divisor (require_tp_divides), or a divisor is unnamed, named
+// twice or not positive.
 void validate(const ParamSpec& spec);
 
 // `<param key>.<name>`, or the parameter key for an unnamed (plain) section.
@@ -121,17 +143,19 @@ struct Block {
 std::vector<Block> blocks(const ParamSpec& spec);
 
 // A fused (or plain) parameter as a checkpoint records it, whatever TP saved it: its blocks with their
-// global row counts, in row order, and the global trailing dims. Enough to plan it at any TP.
+// global row counts, in row order, the global trailing dims and the model sizes TP must divide. Enough
+// to plan it at any TP, and to refuse a TP that is no layout of the model.
 struct ParamRecord {
   std::string key;
   TpAxis tp_axis = TpAxis::rows;
   std::vector<Section> blocks;
   std::vector<std::int64_t> trailing;
+  std::vector<TpDivisor> divisors;
   friend bool operator==(const ParamRecord&, const ParamRecord&) = default;
 };
 // A parameter's record, and the parameter a record describes planned at another TP degree. The one
-// conversion between the two: spec_at_tp throws Errc::layout when a size does not divide by tp (heads
-// or groups that TP does not divide) or the record has no block.
+// conversion between the two: spec_at_tp throws Errc::layout when tp does not divide a divisor (first,
+// with require_tp_divides' message), a block's rows or dim 1, or the record has no block.
 ParamRecord record_of(const ParamSpec& spec);
 ParamSpec spec_at_tp(const ParamRecord& record, std::int64_t tp);
 

@@ -85,7 +85,9 @@ struct LoadOptions {
 // Fills the tensors of `state` where they are (host or device memory): each piece straight into its
 // destination rows, pad rows zeroed in place, a padding-only rank's shard zero-filled. Allocates
 // nothing proportional to the model. Returns the common and local values. Throws
-// Errc::missing_key, shape_mismatch, dtype_mismatch, not_a_checkpoint or corrupt.
+// Errc::missing_key, shape_mismatch, dtype_mismatch, not_a_checkpoint or corrupt; Errc::layout, before
+// anything is read, when a parameter's TP does not divide the heads or groups its record names
+// (require_tp_divides).
 Values load_into(const CheckpointReader& reader, StateDict& state, LoadOptions options = {});
 Values load_into(const std::filesystem::path& path, StateDict& state, LoadOptions options = {});
 // Loads this rank's part of a global checkpoint at the request's layout (any TP, GTP, alignment)

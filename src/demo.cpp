@@ -244,24 +244,23 @@ std::vector<ParamSpec> params(const ModelConfig& c, std::int64_t tp) {
           "the model needs at least one layer");
   require(c.dtype == DType::bf16 || c.dtype == DType::f32, Errc::invalid_argument, "the demo model is bf16 or f32");
   require(c.cols > 0 && c.conv_kernel > 0, Errc::invalid_argument, "cols and the conv kernel must be positive");
-  const std::int64_t d_inner = c.dims.heads * c.dims.head_dim;
-  require(d_inner % tp == 0, Errc::layout, "heads x head_dim (", d_inner, ") does not divide by TP ", tp);
+  // The fused weights' sections come from the heads and groups; out_proj's columns are whole heads.
+  const std::vector<TpDivisor> fused = ssm_divisors(c.dims);
+  const std::vector<TpDivisor> heads{fused.front()};
+  require_tp_divides(layer_key(0, "mixer.in_proj.weight"), fused, tp);
+  const std::int64_t d_inner = checked_mul(c.dims.heads, c.dims.head_dim, "heads x head_dim", Errc::layout);
   std::vector<ParamSpec> out;
   for (int layer = 0; layer < c.gdp_layers + c.mamba_layers; ++layer) {
     const bool gdp = layer < c.gdp_layers;
     out.push_back({layer_key(layer, "mixer.in_proj.weight"),
-                   gdp ? gdp_in_proj_sections(c.dims, tp) : mamba_in_proj_sections(c.dims, tp),
-                   {c.cols},
-                   TpAxis::rows,
-                   tp});
+                   gdp ? gdp_in_proj_sections(c.dims, tp) : mamba_in_proj_sections(c.dims, tp), {c.cols},
+                   TpAxis::rows, tp, fused});
     out.push_back({layer_key(layer, "mixer.conv1d.weight"),
-                   gdp ? gdp_conv1d_sections(c.dims, tp) : mamba_conv1d_sections(c.dims, tp),
-                   {1, c.conv_kernel},
-                   TpAxis::rows,
-                   tp});
-    out.push_back(
-        {layer_key(layer, "mixer.out_proj.weight"), plain_sections(c.cols), {d_inner / tp}, TpAxis::cols, tp});
-    out.push_back({layer_key(layer, "norm.weight"), plain_sections(c.cols), {}, TpAxis::replicated, tp});
+                   gdp ? gdp_conv1d_sections(c.dims, tp) : mamba_conv1d_sections(c.dims, tp), {1, c.conv_kernel},
+                   TpAxis::rows, tp, fused});
+    out.push_back({layer_key(layer, "mixer.out_proj.weight"), plain_sections(c.cols), {d_inner / tp}, TpAxis::cols,
+                   tp, heads});
+    out.push_back({layer_key(layer, "norm.weight"), plain_sections(c.cols), {}, TpAxis::replicated, tp, {}});
   }
   return out;
 }

@@ -29,13 +29,26 @@ struct LocalDims {
 };
 
 LocalDims local_dims(const SsmDims& d, std::int64_t tp) {
+  require(d.heads > 0 && d.groups > 0, Errc::layout, "heads (", d.heads, ") and groups (", d.groups,
+          ") must be positive");
   require(d.head_dim > 0 && d.state > 0, Errc::layout, "head_dim (", d.head_dim, ") and state (", d.state,
           ") must be positive");
   require(d.householder >= 1 && d.householder <= max_householder, Errc::layout, "householder count must be in [1, ",
           max_householder, "] (got ", d.householder, ")");
-  const std::int64_t heads = per_tp(d.heads, tp, "heads");
+  require_tp_divides("", ssm_divisors(d), tp);
+  const std::int64_t heads = d.heads / tp;
   return {checked_mul(heads, d.head_dim, "heads x head_dim", Errc::layout),
-          checked_mul(per_tp(d.groups, tp, "groups"), d.state, "groups x state", Errc::layout), heads, d.householder};
+          checked_mul(d.groups / tp, d.state, "groups x state", Errc::layout), heads, d.householder};
+}
+
+// A spec's divisors are named, once each, and positive: what require_tp_divides can check.
+void validate_divisors(const ParamSpec& spec) {
+  std::set<std::string_view> names;
+  for (const TpDivisor& d : spec.divisors) {
+    require(!d.name.empty(), Errc::layout, spec.key, ": a TP divisor needs a name");
+    require(names.insert(d.name).second, Errc::layout, spec.key, ": TP divisor '", d.name, "' appears twice");
+    require(d.count > 0, Errc::layout, spec.key, ": TP divisor ", d.name, " must be positive (got ", d.count, ")");
+  }
 }
 
 void add_repeated(std::vector<Section>& out, std::string_view prefix, std::int64_t n, std::int64_t rows) {
@@ -43,6 +56,15 @@ void add_repeated(std::vector<Section>& out, std::string_view prefix, std::int64
 }
 
 }  // namespace
+
+void require_tp_divides(std::string_view key, std::span<const TpDivisor> divisors, std::int64_t tp) {
+  const std::string_view sep = key.empty() ? "" : ": ";
+  require(tp >= 1, Errc::layout, key, sep, "TP must be at least 1 (got ", tp, ")");
+  for (const TpDivisor& d : divisors)
+    require(d.count % tp == 0, Errc::layout, key, sep, d.name, " (", d.count, ") does not divide by TP ", tp);
+}
+
+std::vector<TpDivisor> ssm_divisors(const SsmDims& dims) { return {{"heads", dims.heads}, {"groups", dims.groups}}; }
 
 GtpGeometry GtpGeometry::make(std::int64_t rows, std::int64_t group, std::int64_t align) {
   require(rows >= 1, Errc::layout, "a parameter needs at least one row (got ", rows, ")");
@@ -124,6 +146,8 @@ void validate(const ParamSpec& spec) {
   require(!spec.key.empty() && spec.key.find('/') == std::string::npos && spec.key[0] != '_', Errc::invalid_argument,
           "parameter key '", spec.key, "' must be non-empty, contain no '/' and not start with '_'");
   require(spec.tp >= 1, Errc::layout, spec.key, ": TP must be at least 1 (got ", spec.tp, ")");
+  validate_divisors(spec);
+  require_tp_divides(spec.key, spec.divisors, spec.tp);
   require(!spec.sections.empty(), Errc::layout, spec.key, ": a parameter needs at least one section");
   std::set<std::string_view> names;
   for (const Section& s : spec.sections) {
@@ -171,7 +195,7 @@ std::vector<Block> blocks(const ParamSpec& spec) {
 }
 
 ParamRecord record_of(const ParamSpec& spec) {
-  ParamRecord out{spec.key, spec.tp_axis, spec.sections, spec.trailing};
+  ParamRecord out{spec.key, spec.tp_axis, spec.sections, spec.trailing, spec.divisors};
   if (spec.tp_axis == TpAxis::rows)
     for (Section& s : out.blocks) s.rows = checked_mul(s.rows, spec.tp, cat(spec.key, ": global rows"), Errc::layout);
   if (spec.tp_axis == TpAxis::cols)
@@ -181,8 +205,12 @@ ParamRecord record_of(const ParamSpec& spec) {
 
 ParamSpec spec_at_tp(const ParamRecord& record, std::int64_t tp) {
   require(!record.blocks.empty(), Errc::layout, record.key, ": a parameter needs at least one block");
-  ParamSpec spec{record.key, {}, record.trailing, record.tp_axis, tp};
-  require(tp >= 1, Errc::layout, spec.key, ": TP must be at least 1 (got ", tp, ")");
+  ParamSpec spec{record.key, {}, record.trailing, record.tp_axis, tp, record.divisors};
+  // The model's sizes before the rows: a TP that divides every block's rows but not the groups is no
+  // layout of the model, and one that divides neither is refused for its heads, as validate and the
+  // section functions refuse it.
+  validate_divisors(spec);
+  require_tp_divides(spec.key, spec.divisors, tp);
   for (const Section& s : record.blocks)
     spec.sections.push_back({s.name, record.tp_axis == TpAxis::rows
                                          ? per_tp(s.rows, tp, cat(spec.key, " block '", s.name, "' rows"))

@@ -155,6 +155,30 @@ check "one-line notice for a file without checksums" test "$(grep -c "notice: .*
 expect_rc 1 "load --verify of a file with nothing to verify against" "$exe" load "$dir/v1.h5" --verify
 check "nothing to verify against" grep -q "nothing to verify against" "$dir/err"
 
+# ---- a TP that does not divide the model's heads or groups: refused everywhere, with one message ---------------
+# The demo's records know its 8 heads and 4 groups. TP 8 divides the rows of every block, and loaded
+# before records had divisors; TP 3 divides neither heads nor rows, and is refused for the heads.
+refused() {  # refused MESSAGE WHAT COMMAND...: exit 2 and exactly that one line on standard error
+  local message=$1 what=$2; shift 2
+  expect_rc 2 "$what" "$@"
+  check "$what says '$message'" test "$(cat "$dir/err")" = "shardckpt: error: $message"
+}
+conv=decoder.layers.0.mixer.conv1d.weight
+refused "$conv: heads (8) does not divide by TP 3" "load --tp 3" "$exe" -q load "$dir/demo.h5" --tp 3
+refused "$conv: groups (4) does not divide by TP 8" "load --tp 8" "$exe" -q load "$dir/demo.h5" --tp 8 --gtp 1
+refused "$conv: heads (8) does not divide by TP 3" "reshard --tp 3" "$exe" -q reshard "$dir/demo.h5" "$dir/x.h5" --tp 3
+check "no output from a refused reshard at TP 3" test ! -e "$dir/x.h5"
+refused "in_proj.weight: heads (8) does not divide by TP 3" "plan --tp 3" "$exe" plan --cols 4 --tp 3
+refused "in_proj.weight: groups (4) does not divide by TP 8" "plan --tp 8" "$exe" plan --model mamba-conv1d --cols 4 --tp 8
+refused "decoder.layers.0.mixer.in_proj.weight: heads (8) does not divide by TP 3" "demo --tp 3" \
+  "$exe" -q demo --out "$dir/x.h5" --tp 3 --gtp 1
+refused "decoder.layers.0.mixer.in_proj.weight: heads (8) does not divide by TP 3" "demo --load-tp 3" \
+  "$exe" -q demo --out "$dir/x.h5" --load-tp 3
+check "a demo that cannot reload saves nothing" test ! -e "$dir/x.h5"
+check "inspect shows the divisors" bash -c "'$exe' inspect '$dir/demo.h5' | grep -q 'in_proj.weight (TP rows): z=128 .* a=8;  TP must divide heads=8 groups=4'"
+# A checkpoint written before records had divisors (the fuzz corpus) loads as it did.
+check "load a checkpoint without divisors" "$exe" load "$(dirname "$0")/fuzz/corpus/demo-bf16.h5" --tp 2 --gtp 1 --verify > /dev/null
+
 # ---- verify: every byte of any checkpoint -------------------------------------------------------------------
 expect_rc 0 "verify" "$exe" verify "$dir/demo.h5"
 expect_rc 1 "verify a tampered file" "$exe" verify "$dir/tampered.h5" --json

@@ -172,18 +172,15 @@ TEST(FusedLayouts, HeadsThatDoNotDivideByTpAreRejected) {
 }
 
 TEST(Plan, BlocksHaveThePlainTpKeysAndGlobalShapes) {
-  ParamSpec spec{"in_proj.weight",
-                 mamba_in_proj_sections({.heads = 4, .head_dim = 2, .groups = 2, .state = 3}, 2),
-                 {5},
-                 TpAxis::rows,
-                 2};
+  const SsmDims d{.heads = 4, .head_dim = 2, .groups = 2, .state = 3};
+  ParamSpec spec{"in_proj.weight", mamba_in_proj_sections(d, 2), {5}, TpAxis::rows, 2, ssm_divisors(d)};
   const auto b = blocks(spec);
   ASSERT_EQ(b.size(), 5u);
   EXPECT_EQ(b[0].key, "in_proj.weight.z");
   EXPECT_EQ(b[0].global_shape, (std::vector<std::int64_t>{8, 5}));
   EXPECT_EQ(b[4].key, "in_proj.weight.dt");
   EXPECT_EQ(b[4].global_shape, (std::vector<std::int64_t>{4, 5}));
-  ParamSpec plain{"out_proj.weight", plain_sections(6), {3}, TpAxis::cols, 4};
+  ParamSpec plain{"out_proj.weight", plain_sections(6), {3}, TpAxis::cols, 4, {}};
   const auto pb = blocks(plain);
   ASSERT_EQ(pb.size(), 1u);
   EXPECT_EQ(pb[0].key, "out_proj.weight");
@@ -192,11 +189,8 @@ TEST(Plan, BlocksHaveThePlainTpKeysAndGlobalShapes) {
 
 // The spec's reference case: TP 2, GTP 2, A 16, GDP (dI, gS, nH, H) = (10, 3, 2, 3).
 TEST(Plan, ReferenceCaseGtpBoundaryCutsV2AndMatchesPlainTp) {
-  ParamSpec spec{"in_proj.weight",
-                 gdp_in_proj_sections({.heads = 4, .head_dim = 5, .groups = 2, .state = 3, .householder = 3}, 2),
-                 {4},
-                 TpAxis::rows,
-                 2};
+  const SsmDims d{.heads = 4, .head_dim = 5, .groups = 2, .state = 3, .householder = 3};
+  ParamSpec spec{"in_proj.weight", gdp_in_proj_sections(d, 2), {4}, TpAxis::rows, 2, ssm_divisors(d)};
   ASSERT_EQ(spec.rows(), 60);
   const RankPlan r0 = plan_rank(spec, 2, 16, {0, 0});
   EXPECT_EQ(r0.geometry.shard_rows(), 32);
@@ -229,7 +223,7 @@ TEST(Plan, ReferenceCaseGtpBoundaryCutsV2AndMatchesPlainTp) {
 }
 
 TEST(Plan, RowParallelWeightPiecesLandAtTheirColumns) {
-  ParamSpec spec{"out_proj.weight", plain_sections(40), {6}, TpAxis::cols, 2};
+  ParamSpec spec{"out_proj.weight", plain_sections(40), {6}, TpAxis::cols, 2, {}};
   const RankPlan p = plan_rank(spec, 4, 4, {1, 3});  // L = 12 (48 padded rows), rank 3 holds [36, 40)
   ASSERT_EQ(p.pieces.size(), 1u);
   EXPECT_EQ(p.pieces[0].global_offset, (std::vector<std::int64_t>{36, 6}));
@@ -242,7 +236,7 @@ TEST(Plan, RowParallelWeightPiecesLandAtTheirColumns) {
 }
 
 TEST(Plan, PaddingOnlyRankSavesNothing) {
-  ParamSpec spec{"w", plain_sections(61'760), {2}, TpAxis::rows, 1};
+  ParamSpec spec{"w", plain_sections(61'760), {2}, TpAxis::rows, 1, {}};
   const RankPlan p = plan_rank(spec, 64, 32, {0, 63});
   EXPECT_TRUE(p.padding_only);
   EXPECT_TRUE(p.pieces.empty());
@@ -253,7 +247,7 @@ TEST(Plan, PaddingOnlyRankSavesNothing) {
 }
 
 TEST(Plan, ReplicatedWeightIsSavedByTpRankZeroOnly) {
-  ParamSpec spec{"norm.weight", plain_sections(10), {}, TpAxis::replicated, 2};
+  ParamSpec spec{"norm.weight", plain_sections(10), {}, TpAxis::replicated, 2, {}};
   EXPECT_TRUE(plan_rank(spec, 2, 4, {0, 1}).main_replica);
   EXPECT_FALSE(plan_rank(spec, 2, 4, {1, 1}).main_replica);
   EXPECT_EQ(blocks(spec)[0].global_shape, (std::vector<std::int64_t>{10}));
@@ -262,13 +256,68 @@ TEST(Plan, ReplicatedWeightIsSavedByTpRankZeroOnly) {
 
 TEST(Plan, ParamAtAnotherTpKeepsGlobalBlocks) {
   const SsmDims d{.heads = 4, .head_dim = 5, .groups = 2, .state = 3, .householder = 3};
-  ParamSpec tp2{"in_proj.weight", gdp_in_proj_sections(d, 2), {4}, TpAxis::rows, 2};
+  ParamSpec tp2{"in_proj.weight", gdp_in_proj_sections(d, 2), {4}, TpAxis::rows, 2, ssm_divisors(d)};
   const ParamRecord global = record_of(tp2);
   ParamSpec tp1 = spec_at_tp(global, 1);
   EXPECT_EQ(tp1.sections, gdp_in_proj_sections(d, 1));
   for (std::size_t j = 0; j < global.blocks.size(); ++j)
     EXPECT_EQ(blocks(tp1)[j].global_shape, blocks(tp2)[j].global_shape);
   EXPECT_THROW((void)spec_at_tp(global, 3), Error);
+  EXPECT_EQ(global.divisors, ssm_divisors(d));
+  EXPECT_EQ(tp1.divisors, ssm_divisors(d));
+}
+
+// The Errc::layout message `fn` throws ("" when it throws none, or another error).
+template <class Fn>
+std::string layout_refusal(Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.code() == Errc::layout ? e.what() : cat("not a layout error: ", e.what());
+  }
+  return "";
+}
+
+// Rows that divide by TP 3 and 8 (dI 24, gS 24, nH 8) in a model of 8 heads and 4 groups: only the
+// divisors know that TP 3 splits no head and TP 8 no group.
+constexpr SsmDims odd_tp_dims{.heads = 8, .head_dim = 3, .groups = 4, .state = 6, .householder = 1};
+
+TEST(TpDivisors, ATpThatDoesNotDivideHeadsOrGroupsIsRefusedWithOneMessage) {
+  const SsmDims& d = odd_tp_dims;
+  const ParamSpec tp1{"in_proj.weight", gdp_in_proj_sections(d, 1), {4}, TpAxis::rows, 1, ssm_divisors(d)};
+  const ParamRecord record = record_of(tp1);
+  for (const auto& [tp, text] : {std::pair<std::int64_t, std::string>{3, "heads (8) does not divide by TP 3"},
+                                 {8, "groups (4) does not divide by TP 8"}}) {
+    const std::string with_key = "in_proj.weight: " + text;
+    EXPECT_EQ(layout_refusal([&] { (void)spec_at_tp(record, tp); }), with_key);
+    ParamSpec at_tp = tp1;
+    at_tp.tp = tp;
+    EXPECT_EQ(layout_refusal([&] { validate(at_tp); }), with_key);
+    EXPECT_EQ(layout_refusal([&] { require_tp_divides("in_proj.weight", at_tp.divisors, tp); }), with_key);
+    EXPECT_EQ(layout_refusal([&] { (void)gdp_in_proj_sections(d, tp); }), text);
+    EXPECT_EQ(layout_refusal([&] { (void)mamba_conv1d_sections(d, tp); }), text);
+  }
+  // A record written before divisors existed plans at TP 8, whose rows all divide (nH = 8 rows of b0
+  // and a, which TP 3 does not divide, refuse TP 3 for the heads in another message).
+  ParamRecord old = record;
+  old.divisors.clear();
+  EXPECT_EQ(spec_at_tp(old, 8).rows(), tp1.rows() / 8);
+  EXPECT_EQ(layout_refusal([&] { (void)spec_at_tp(old, 3); }),
+            "in_proj.weight block 'b0' rows (8) does not divide by TP 3");
+  EXPECT_EQ(spec_at_tp(record, 4).divisors, ssm_divisors(d));
+}
+
+TEST(TpDivisors, ValidateRefusesUnnamedRepeatedAndNonPositiveDivisors) {
+  ParamSpec spec{"w", plain_sections(8), {2}, TpAxis::rows, 1, {}};
+  for (const auto& [divisors, why] : std::vector<std::pair<std::vector<TpDivisor>, std::string>>{
+           {{{"", 4}}, "w: a TP divisor needs a name"},
+           {{{"heads", 4}, {"heads", 8}}, "w: TP divisor 'heads' appears twice"},
+           {{{"heads", 0}}, "w: TP divisor heads must be positive (got 0)"},
+           {{{"heads", -8}}, "w: TP divisor heads must be positive (got -8)"}}) {
+    spec.divisors = divisors;
+    EXPECT_EQ(layout_refusal([&] { validate(spec); }), why);
+    EXPECT_EQ(layout_refusal([&] { (void)spec_at_tp(record_of(spec), 3); }), why);
+  }
 }
 
 TEST(Validation, OverlapNamesKeyRanksAndRows) {

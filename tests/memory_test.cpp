@@ -286,7 +286,7 @@ TEST(LoadInPlace, FillsDeviceShardsThroughThePoolAndAllocatesNothing) {
 // waited for, nothing is left undone when load_into returns, and the shard reads back as zeros.
 TEST(LoadInPlace, ReturnsOnceEveryDeviceWriteHasLanded) {
   ScratchDir dir;
-  const ParamSpec spec{"w", {{"x", 10}}, {4}, TpAxis::rows, 1};
+  const ParamSpec spec{"w", {{"x", 10}}, {4}, TpAxis::rows, 1, {}};
   StateDict whole;
   ShardedParam plain{spec, 1, 0, {0, 0}, DType::f32};
   plain.shard = SharedBuffer::zeros(DType::f32, {10, 4});

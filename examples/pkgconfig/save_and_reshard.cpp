@@ -22,12 +22,14 @@ std::vector<sc::ParamSpec> model(std::int64_t tp) {
            .sections = sc::gdp_in_proj_sections(dims, tp),
            .trailing = {hidden},
            .tp_axis = sc::TpAxis::rows,
-           .tp = tp},
+           .tp = tp,
+           .divisors = sc::ssm_divisors(dims)},
           {.key = "decoder.layers.0.mixer.out_proj.weight",
            .sections = sc::plain_sections(hidden),
            .trailing = {dims.heads * dims.head_dim / tp},
            .tp_axis = sc::TpAxis::cols,
-           .tp = tp}};
+           .tp = tp,
+           .divisors = {{"heads", dims.heads}}}};
 }
 
 // Element (row, col) of the dataset `key`, exact in f32: what a trained weight would be.

@@ -15,7 +15,8 @@ sc::ShardedParam in_proj(std::int64_t tp, std::int64_t gtp, std::int64_t align, 
                            .sections = sc::gdp_in_proj_sections(dims, tp),
                            .trailing = {64},
                            .tp_axis = sc::TpAxis::rows,
-                           .tp = tp};
+                           .tp = tp,
+                           .divisors = sc::ssm_divisors(dims)};
   return {.spec = spec, .gtp = gtp, .align = align, .coord = coord, .dtype = sc::DType::f32};
 }
 

@@ -213,6 +213,7 @@ Runner add_demo(CLI::App& app, Global& global) {
     const demo::ModelConfig config = f->model.get();
     const demo::Layout saved_at = f->save.resolve();
     const demo::Layout loaded_at = reload_layout(*f, saved_at);
+    (void)demo::params(config, loaded_at.tp);  // a reload at a TP that is no layout of the model saves nothing
     const Saved s = save_model(*f, config, saved_at, global);
     // One open of the checkpoint per process: its ranks load through it, and the report reads it.
     const CheckpointReader reader(f->out);

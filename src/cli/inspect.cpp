@@ -33,8 +33,13 @@ json inspect_json(const CheckpointReader& r, const std::string& file) {
     json blocks = json::array();
     for (const Section& s : p.blocks)
       blocks.push_back({{"name", s.name}, {"key", block_key(p.key, s.name)}, {"rows", s.rows}});
-    params.push_back(
-        {{"key", p.key}, {"tp_axis", tp_axis_name(p.tp_axis)}, {"trailing", p.trailing}, {"blocks", blocks}});
+    json divisors = json::array();
+    for (const TpDivisor& d : p.divisors) divisors.push_back({{"name", d.name}, {"count", d.count}});
+    params.push_back({{"key", p.key},
+                      {"tp_axis", tp_axis_name(p.tp_axis)},
+                      {"trailing", p.trailing},
+                      {"blocks", blocks},
+                      {"divisors", divisors}});
   }
   for (const auto& [key, value] : c.common) std::visit([&](const auto& v) { common[key] = v; }, value);
   return {{"file", file},
@@ -64,6 +69,8 @@ void print_table(const CheckpointReader& r, const json& j) {
     std::printf("  %s (TP %s):", p.key.c_str(), std::string(tp_axis_name(p.tp_axis)).c_str());
     for (const Section& s : p.blocks)
       std::printf(" %s=%lld", s.name.empty() ? "(plain)" : s.name.c_str(), static_cast<long long>(s.rows));
+    if (!p.divisors.empty()) std::printf(";  TP must divide");
+    for (const TpDivisor& d : p.divisors) std::printf(" %s=%lld", d.name.c_str(), static_cast<long long>(d.count));
     std::printf("\n");
   }
   if (!r.contents().common.empty()) std::printf("common values:\n");

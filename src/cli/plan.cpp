@@ -26,6 +26,8 @@ struct PlanFlags {
 
 ParamSpec spec_of(const PlanFlags& f) {
   std::vector<Section> sections;
+  const std::vector<TpDivisor> divisors = f.model == "plain" ? std::vector<TpDivisor>{} : ssm_divisors(f.dims);
+  require_tp_divides(f.key, divisors, f.tp);  // before the sections, so that the refusal names the key
   if (f.model == "gdp-in-proj")
     sections = gdp_in_proj_sections(f.dims, f.tp);
   else if (f.model == "gdp-conv1d")
@@ -41,7 +43,7 @@ ParamSpec spec_of(const PlanFlags& f) {
   require(f.tp_axis == 0 || f.model == "plain", Errc::invalid_argument, "--tp-axis 1 is only for --model plain");
   require(f.tp * f.gtp <= max_plan_ranks, Errc::invalid_argument, "TP x GTP = ", f.tp * f.gtp,
           " ranks is more than plan prints (", max_plan_ranks, ")");
-  const ParamSpec spec{f.key, sections, {f.cols}, f.tp_axis == 1 ? TpAxis::cols : TpAxis::rows, f.tp};
+  const ParamSpec spec{f.key, sections, {f.cols}, f.tp_axis == 1 ? TpAxis::cols : TpAxis::rows, f.tp, divisors};
   validate(spec);
   return spec;
 }

@@ -142,6 +142,11 @@ inline void put_record(Writer& w, const ParamRecord& p) {
     w.i64(s.rows);
   }
   w.dims(p.trailing);
+  w.i64(static_cast<std::int64_t>(p.divisors.size()));
+  for (const TpDivisor& d : p.divisors) {
+    w.str(d.name);
+    w.i64(d.count);
+  }
 }
 
 inline ParamRecord get_record(Reader& r) {
@@ -153,6 +158,10 @@ inline ParamRecord get_record(Reader& r) {
     p.blocks.push_back({std::move(name), r.i64()});
   }
   p.trailing = r.dims();
+  for (std::int64_t n = r.i64(); n > 0; --n) {
+    std::string name = r.str();
+    p.divisors.push_back({std::move(name), r.i64()});
+  }
   return p;
 }
 

@@ -202,6 +202,17 @@ void merge_factories(Source& src, StateDict& state, Tree& tree) {
   }
 }
 
+// The records of the checkpoint know its model: a request at a TP that does not divide a parameter's
+// heads or groups is refused before anything is read, however its sections were computed, with the
+// message spec_at_tp and validate give.
+void require_recorded_divisors(const CheckpointReader& reader, const StateDict& state) {
+  std::map<std::string_view, const ParamRecord*> records;
+  for (const ParamRecord& r : reader.contents().params) records.emplace(r.key, &r);
+  for (const ShardedParam& p : std::as_const(state).params())
+    if (const auto it = records.find(p.spec.key); it != records.end())
+      require_tp_divides(p.spec.key, it->second->divisors, p.spec.tp);
+}
+
 }  // namespace
 
 Values load_with(const CheckpointReader& reader, StateDict& state, const LoadOptions& options,
@@ -212,6 +223,7 @@ Values load_with(const CheckpointReader& reader, StateDict& state, const LoadOpt
   require(reader.contents().kind == kind, Errc::not_a_checkpoint, reader.path().string(), " is a ",
           reader.contents().kind == CheckpointKind::local ? "local (per-rank)" : "global", " checkpoint; use ",
           reader.contents().kind == CheckpointKind::local ? "load_local" : "load");
+  require_recorded_divisors(reader, state);
   require_disjoint(load_targets(state), "this rank");
   Source src(reader, kind == CheckpointKind::local, options);
   Tree tree;

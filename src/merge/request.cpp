@@ -44,7 +44,7 @@ StateDict request_all(const CheckpointReader& reader, const LoadLayout& layout) 
   }
   for (const Dataset& d : reader.datasets())
     if (!covered.contains(d.key) && d.shape[0] > 0)
-      add({d.key, TpAxis::replicated, plain_sections(d.shape[0]), {d.shape.begin() + 1, d.shape.end()}}, d.dtype);
+      add({d.key, TpAxis::replicated, plain_sections(d.shape[0]), {d.shape.begin() + 1, d.shape.end()}, {}}, d.dtype);
   return out;
 }
 

@@ -113,6 +113,12 @@ TEST(Format, HostileAttributesAreRefusedByName) {
        "1e300}], \"trailing\": [4]}]')",
        "params"},
       {"m.attrs['params'] = np.bytes_('[' * 100000)", "params"},
+      {"m.attrs['params'] = np.bytes_('[{\"key\": \"w\", \"tp_axis\": \"rows\", \"blocks\": [{\"name\": \"\", \"rows\": "
+       "8}], \"trailing\": [4], \"divisors\": [{\"name\": \"heads\", \"count\": -8}]}]')",
+       "divisor heads must be positive"},
+      {"m.attrs['params'] = np.bytes_('[{\"key\": \"w\", \"tp_axis\": \"rows\", \"blocks\": [{\"name\": \"\", \"rows\": "
+       "8}], \"trailing\": [4], \"divisors\": {\"heads\": 8}}]')",
+       "divisors must be an array"},
       {"m.attrs['complete'] = np.int64(0)", "complete"},
       {"m.attrs['complete'] = 'no'", "complete"},
       {"m.attrs['complete'] = np.ones(3, dtype=np.int64)", "complete"},

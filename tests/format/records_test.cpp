@@ -4,12 +4,10 @@
 
 TEST(Format, ParamRecordsRoundTripAndPlanAtAnyTp) {
   ScratchDir dir;
-  const ParamSpec spec{"in_proj.weight",
-                       gdp_in_proj_sections({.heads = 4, .head_dim = 5, .groups = 2, .state = 3, .householder = 3}, 2),
-                       {4},
-                       TpAxis::rows,
-                       2};
+  const SsmDims d{.heads = 4, .head_dim = 5, .groups = 2, .state = 3, .householder = 3};
+  const ParamSpec spec{"in_proj.weight", gdp_in_proj_sections(d, 2), {4}, TpAxis::rows, 2, ssm_divisors(d)};
   const ParamRecord rec = record_of(spec);
+  ASSERT_EQ(rec.divisors, ssm_divisors(d));
   {
     io::File f = io::File::create(dir / "p.h5");
     const Skeleton sk = create_skeleton(
@@ -38,7 +36,8 @@ TEST(Format, LargeParameterRecordsAndManyCommonValuesFitAndReadInLinearTime) {
     records.push_back({"decoder.layers." + std::to_string(i) + ".mixer.in_proj.weight",
                        TpAxis::rows,
                        {{"z", 64}, {"x", 64}, {"B", 32}, {"C", 32}, {"dt", 8}},
-                       {4096}});
+                       {4096},
+                       {{"heads", 8}, {"groups", 2}}});
   Values common{{"config", std::string(200'000, 'c')}};
   for (int i = 0; i < 20'000; ++i) common.emplace("value." + std::to_string(i), std::int64_t{i});
   {
@@ -73,5 +72,39 @@ TEST(Format, ParamRecordsThatContradictTheDatasetsAreRefused) {
     const Error e = error_of([&] { (void)r.params(); });
     EXPECT_EQ(e.code(), Errc::not_a_checkpoint) << params;
     EXPECT_TRUE(contains(e.what(), "record of w")) << e.what();
+  }
+}
+
+TEST(Format, RecordsCarryTheirDivisorsAndRecordsWithoutThemStillParse) {
+  const ParamRecord fused{"in_proj.weight", TpAxis::rows, {{"z", 16}, {"b0", 8}}, {4}, {{"heads", 8}, {"groups", 4}}};
+  const ParamRecord plain{"norm.weight", TpAxis::replicated, {{"", 4}}, {}, {}};
+  const std::string text = records_json({fused, plain});
+  EXPECT_TRUE(contains(text, R"("divisors":[{"count":8,"name":"heads"},{"count":4,"name":"groups"}])")) << text;
+  EXPECT_EQ(parse_records(text), (std::vector<ParamRecord>{fused, plain}));
+  // A record without divisors writes none: what checkpoints written before them hold, and read.
+  EXPECT_EQ(text.find("divisors"), text.rfind("divisors")) << text;
+  const auto old =
+      parse_records(R"([{"key": "w", "tp_axis": "rows", "blocks": [{"name": "z", "rows": 8}], "trailing": [4]}])");
+  ASSERT_EQ(old.size(), 1u);
+  EXPECT_TRUE(old[0].divisors.empty());
+  EXPECT_EQ(spec_at_tp(old[0], 8).rows(), 1);
+  EXPECT_EQ(error_of([&] { (void)spec_at_tp(fused, 3); }).what(),
+            std::string("in_proj.weight: heads (8) does not divide by TP 3"));
+}
+
+TEST(Format, HostileDivisorsAreRefused) {
+  const std::string head =
+      R"([{"key": "w", "tp_axis": "rows", "blocks": [{"name": "z", "rows": 8}], "trailing": [4], "divisors": )";
+  for (const char* divisors : {R"([{"name": "heads", "count": -8}])", R"([{"name": "heads", "count": 0}])",
+                               R"([{"name": "heads", "count": 8.5}])", R"([{"name": "heads", "count": "8"}])",
+                               R"([{"name": "heads", "count": 1e300}])",
+                               R"([{"name": "heads", "count": 18446744073709551615}])",
+                               R"([{"name": "heads", "count": 8}, {"name": "heads", "count": 4}])",
+                               R"([{"name": "", "count": 8}])", R"([{"name": 7, "count": 8}])", R"([{"count": 8}])",
+                               R"([8])", R"({"heads": 8})", R"("heads")", "null",
+                               R"([[{"name": "heads", "count": 8}]])"}) {
+    const Error e = error_of([&] { (void)parse_records(head + divisors + "}]"); });
+    EXPECT_EQ(e.code(), Errc::invalid_argument) << divisors;
+    EXPECT_TRUE(contains(e.what(), "not valid parameter records")) << e.what();
   }
 }

@@ -117,7 +117,7 @@ TEST(StateDicts, KeysAreUniqueAcrossKinds) {
   EXPECT_EQ(error_of([&] { s.add_local("k", std::int64_t{2}); }).code(), Errc::invalid_argument);
   EXPECT_EQ(
       error_of([&] {
-        s.add(ShardedParam{ParamSpec{"p", plain_sections(4), {}, TpAxis::rows, 1}, 2, 0, {0, 2}, DType::f32});
+        s.add(ShardedParam{ParamSpec{"p", plain_sections(4), {}, TpAxis::rows, 1, {}}, 2, 0, {0, 2}, DType::f32});
       }).code(),
       Errc::invalid_argument);  // GTP rank 2 of a group of 2
 }
@@ -190,4 +190,41 @@ TEST(Load, ReadOnlyOrOverlappingDestinationsAreRefusedBeforeAnyRead) {
   EXPECT_EQ(o.code(), Errc::invalid_argument);
   EXPECT_TRUE(testing_support::contains(o.what(), "destinations of a and b share 16 bytes")) << o.what();
   EXPECT_EQ(memory, std::vector<float>(12, -1));
+}
+
+// A checkpoint's records know its model. TP 8 divides every block's rows of tiny_model but not its 4
+// groups: a load there is refused before anything is read, with the message validate and spec_at_tp
+// give, whether the request comes from the records, from the model, or from sections computed
+// without divisors (the records refuse those).
+TEST(Load, AtATpThatDoesNotDivideTheGroupsIsRefusedWithOneMessage) {
+  ScratchDir dir;
+  const demo::ModelConfig c = testing_support::tiny_model();
+  save_model(c, {2, 2, 16, 1}, dir / "m.h5");
+  const CheckpointReader reader(dir / "m.h5");
+  const ParamRecord& first = reader.contents().params.front();
+  ASSERT_EQ(first.divisors, ssm_divisors(c.dims));
+  const std::string message = cat(first.key, ": groups (4) does not divide by TP 8");
+  const auto refusal = [](auto&& fn) {
+    const Error e = error_of(fn);
+    EXPECT_EQ(e.code(), Errc::layout) << e.what();
+    return std::string(e.what());
+  };
+  EXPECT_EQ(refusal([&] { (void)request_all(reader, {8, 1, 0, {0, 0}, 0, 1, false}); }), message);
+  EXPECT_EQ(refusal([&] { (void)spec_at_tp(first, 8); }), message);
+  ParamSpec at_8 = spec_at_tp(first, 4);
+  at_8.tp = 8;
+  EXPECT_EQ(refusal([&] { validate(at_8); }), message);
+  EXPECT_EQ(refusal([&] { (void)demo::request(c, {8, 1, 0, 1}, 0); }),
+            "decoder.layers.0.mixer.in_proj.weight: groups (4) does not divide by TP 8");
+  StateDict request;
+  for (ParamRecord r : reader.contents().params) {
+    r.divisors.clear();
+    const DType dtype = reader.dataset(block_key(r.key, r.blocks.front().name)).dtype;
+    request.add(ShardedParam{spec_at_tp(r, 8), 1, 0, {0, 0}, dtype});
+  }
+  EXPECT_EQ(refusal([&] { (void)load(dir / "m.h5", request); }), message);
+  StateDict dst = demo::with_destinations(request);
+  EXPECT_EQ(refusal([&] { (void)load_into(dir / "m.h5", dst); }), message);
+  // At TP 4 the same checkpoint loads.
+  EXPECT_EQ(load_mismatches(c, {4, 1, 0, 1}, dir / "m.h5"), 0);
 }

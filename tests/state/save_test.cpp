@@ -218,7 +218,7 @@ TEST(Errors, BadRequestsAreTypedAndChangeNothing) {
 
   StateDict missing;
   missing.add(ShardedParam{
-      ParamSpec{"nope.weight", plain_sections(8), {24}, TpAxis::rows, 1}, 2, 8, {0, 0}, DType::bf16});
+      ParamSpec{"nope.weight", plain_sections(8), {24}, TpAxis::rows, 1, {}}, 2, 8, {0, 0}, DType::bf16});
   Error e = error_of([&] { (void)load(dir / "a.h5", missing); });
   EXPECT_EQ(e.code(), Errc::missing_key);
   EXPECT_NE(std::string(e.what()).find("nope.weight"), std::string::npos) << e.what();

@@ -10,8 +10,8 @@ class SeedScale : public ::testing::TestWithParam<std::tuple<DType, IoMethod>> {
  protected:
   static constexpr int G = 64;
   static constexpr std::int64_t L = 992;
-  const ParamSpec fused{"mixer.in_proj.weight", {{"x", 40'000}, {"B", 21'760}}, {2}, TpAxis::rows, 1};
-  const ParamSpec split{"mixer.gate.weight", {{"a", 3}, {"b", 5}, {"c", 2}}, {2}, TpAxis::rows, G};
+  const ParamSpec fused{"mixer.in_proj.weight", {{"x", 40'000}, {"B", 21'760}}, {2}, TpAxis::rows, 1, {}};
+  const ParamSpec split{"mixer.gate.weight", {{"a", 3}, {"b", 5}, {"c", 2}}, {2}, TpAxis::rows, G, {}};
 
   DType dtype() const { return std::get<0>(GetParam()); }
   IoMethod method() const { return std::get<1>(GetParam()); }
