@@ -25,7 +25,8 @@ path = os.path.join(out, "quickstart.h5")
 # The fused in_proj of a GDP layer at TP 2: its sections (z, V0, V1, K0, K1, Q, b0, b1, a) are the
 # TP-local rows of each block, in row order.
 dims = sc.SsmDims(heads=8, head_dim=4, groups=4, state=4, householder=2)
-spec = sc.ParamSpec("layers.0.mixer.in_proj.weight", sc.gdp_in_proj_sections(dims, tp), [32], tp=tp)
+spec = sc.ParamSpec("layers.0.mixer.in_proj.weight", sc.gdp_in_proj_sections(dims, tp), [32], tp=tp,
+                    divisors=sc.ssm_divisors(dims))  # recorded: a load at a TP that splits a head is refused
 param = sc.ShardedParam(spec, gtp=gtp, align=16, tp_rank=rank // gtp, gtp_rank=rank % gtp, dtype=torch.bfloat16)
 weight = torch.zeros(param.padded_shape(), dtype=torch.bfloat16)  # pad rows stay zero
 weight[:param.real_rows()] = rank + 1
@@ -44,7 +45,7 @@ weight.fill_(0)  # training may change the shards now
 pending.wait()  # the collective outcome: every rank gets the same one
 
 # Back at TP 1 x GTP 4 with alignment 8: each rank asks for its own shard and gets it in place.
-spec1 = sc.ParamSpec(spec.key, sc.gdp_in_proj_sections(dims, 1), [32])
+spec1 = sc.ParamSpec(spec.key, sc.gdp_in_proj_sections(dims, 1), [32], divisors=sc.ssm_divisors(dims))
 again = sc.ShardedParam(spec1, gtp=4, align=8, tp_rank=0, gtp_rank=rank, dtype=torch.bfloat16)
 again.shard = torch.empty(again.padded_shape(), dtype=torch.bfloat16)  # filled in place, pad rows zeroed
 request = sc.StateDict()

@@ -34,8 +34,10 @@ COLS, BATCH = 32, 16
 def model_specs(sc, tp):
     gdp = sc.SsmDims(heads=4, head_dim=8, groups=2, state=8, householder=2)
     mamba = sc.SsmDims(heads=4, head_dim=8, groups=2, state=8)
-    return [sc.ParamSpec("layers.0.gdp.in_proj.weight", sc.gdp_in_proj_sections(gdp, tp), [COLS], tp=tp),
-            sc.ParamSpec("layers.1.mamba.in_proj.weight", sc.mamba_in_proj_sections(mamba, tp), [COLS], tp=tp)]
+    return [sc.ParamSpec("layers.0.gdp.in_proj.weight", sc.gdp_in_proj_sections(gdp, tp), [COLS], tp=tp,
+                         divisors=sc.ssm_divisors(gdp)),
+            sc.ParamSpec("layers.1.mamba.in_proj.weight", sc.mamba_in_proj_sections(mamba, tp), [COLS], tp=tp,
+                         divisors=sc.ssm_divisors(mamba))]
 
 
 class Rank:

@@ -8,14 +8,15 @@ import sys
 
 from . import _core
 from ._core import (AsyncSave, Error, ParamSpec, Section, ShardedParam, ShardedTensor, SsmDims, StateDict,
+                    TpDivisor, ssm_divisors,
                     gdp_conv1d_sections, gdp_in_proj_sections, mamba_conv1d_sections, mamba_in_proj_sections,
                     plain_sections)
 from ._torch import TorchGroup
 
 __version__ = _core.__version__
 __all__ = ["AsyncSave", "Error", "ParamSpec", "Saver", "Section", "ShardedParam", "ShardedTensor", "SsmDims",
-           "StateDict", "TorchGroup", "gdp_conv1d_sections", "gdp_in_proj_sections", "inspect", "load", "load_into",
-           "mamba_conv1d_sections", "mamba_in_proj_sections", "plain_sections", "read", "save", "verify"]
+           "StateDict", "TorchGroup", "TpDivisor", "gdp_conv1d_sections", "gdp_in_proj_sections", "inspect", "load", "load_into",
+           "mamba_conv1d_sections", "mamba_in_proj_sections", "plain_sections", "read", "save", "ssm_divisors", "verify"]
 
 
 def _group(group):

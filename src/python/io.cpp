@@ -164,6 +164,9 @@ py::dict inspect_dict(const CheckpointReader& r) {
     py::list blocks;
     for (const Section& s : p.blocks) blocks.append(py::make_tuple(block_key(p.key, s.name), s.rows));
     rec["blocks"] = blocks;
+    py::list divisors;
+    for (const TpDivisor& d : p.divisors) divisors.append(py::make_tuple(d.name, d.count));
+    rec["divisors"] = divisors;
     params.append(rec);
   }
   py::dict out;

@@ -113,19 +113,32 @@ void bind_specs(py::module_& m) {
   m.def("mamba_in_proj_sections", &mamba_in_proj_sections, py::arg("dims"), py::arg("tp"));
   m.def("mamba_conv1d_sections", &mamba_conv1d_sections, py::arg("dims"), py::arg("tp"));
   m.def("plain_sections", &plain_sections, py::arg("rows"));
+  py::class_<TpDivisor>(m, "TpDivisor", "A global model size TP must divide (heads, groups).")
+      .def(py::init([](std::string name, std::int64_t count) { return TpDivisor{std::move(name), count}; }),
+           py::arg("name"), py::arg("count"))
+      .def_readonly("name", &TpDivisor::name)
+      .def_readonly("count", &TpDivisor::count)
+      .def("__eq__", [](const TpDivisor& a, const TpDivisor& b) { return a == b; })
+      .def("__repr__", [](const TpDivisor& d) { return cat("TpDivisor('", d.name, "', ", d.count, ")"); });
+  m.def("ssm_divisors", &ssm_divisors, py::arg("dims"), "What a fused GDP or Mamba weight must be given: heads, groups.");
   py::class_<ParamSpec>(m, "ParamSpec", "One parameter as a TP rank holds it before GTP.")
       .def(py::init([](std::string key, std::vector<Section> sections, std::vector<std::int64_t> trailing,
-                       const std::string& tp_axis, std::int64_t tp) {
-             ParamSpec s{std::move(key), std::move(sections), std::move(trailing), parse_tp_axis(tp_axis), tp};
+                       const std::string& tp_axis, std::int64_t tp, std::vector<TpDivisor> divisors) {
+             ParamSpec s{std::move(key), std::move(sections), std::move(trailing), parse_tp_axis(tp_axis), tp,
+                         std::move(divisors)};
              validate(s);
              return s;
            }),
-           py::arg("key"), py::arg("sections"), py::arg("trailing"), py::arg("tp_axis") = "rows", py::arg("tp") = 1)
+           py::arg("key"), py::arg("sections"), py::arg("trailing"), py::arg("tp_axis") = "rows", py::arg("tp") = 1,
+           py::arg("divisors") = std::vector<TpDivisor>{},
+           "`divisors`: the global sizes TP must divide (ssm_divisors(dims) for a fused layout), recorded in the "
+           "checkpoint so that a load at a TP they do not divide is refused")
       .def_readonly("key", &ParamSpec::key)
       .def_readonly("sections", &ParamSpec::sections)
       .def_readonly("trailing", &ParamSpec::trailing)
       .def_property_readonly("tp_axis", [](const ParamSpec& s) { return std::string(tp_axis_name(s.tp_axis)); })
       .def_readonly("tp", &ParamSpec::tp)
+      .def_readonly("divisors", &ParamSpec::divisors)
       .def("rows", &ParamSpec::rows, "TP-local rows, all sections together.");
 }
 

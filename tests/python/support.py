@@ -15,7 +15,8 @@ COLS = 8
 
 def spec_at(tp, kind="gdp"):
     sections = {"gdp": sc.gdp_in_proj_sections, "mamba": sc.mamba_in_proj_sections}[kind](DIMS, tp)
-    return sc.ParamSpec(f"decoder.layers.0.mixer.{kind}.in_proj.weight", sections, [COLS], tp=tp)
+    return sc.ParamSpec(f"decoder.layers.0.mixer.{kind}.in_proj.weight", sections, [COLS], tp=tp,
+                        divisors=sc.ssm_divisors(DIMS))
 
 
 def reference(tp, tp_rank, kind="gdp", dtype=torch.bfloat16):

@@ -131,6 +131,18 @@ class Api(unittest.TestCase):
         with self.assertRaises(TypeError):
             s.add_common("x", [1])
 
+    def test_a_tp_that_splits_a_head_is_refused_with_the_one_message(self):
+        self.save_reference()
+        self.assertEqual(sc.inspect(self.path)["params"][0]["divisors"], [("heads", 8), ("groups", 4)])
+        for tp, what in [(3, "heads (8) does not divide by TP 3"), (8, "groups (4) does not divide by TP 8")]:
+            with self.assertRaises(sc.Error) as e:
+                sc.read(self.path, tp=tp)
+            self.assertEqual(e.exception.code, "layout")
+            self.assertEqual(str(e.exception), f"{spec_at(1).key}: {what}")
+        with self.assertRaises(sc.Error) as e:
+            sc.ParamSpec("w", sc.plain_sections(6), [4], tp=3, divisors=[sc.TpDivisor("heads", 8)])
+        self.assertEqual(str(e.exception), "w: heads (8) does not divide by TP 3")
+
     def test_verify_raises_on_damage(self):
         self.save_reference()
         self.assertEqual(sc.verify(self.path)["mismatches"], 0)
