@@ -37,11 +37,15 @@ class TorchGroup:
     def size(self):
         return len(self._members)
 
-    def moves_device(self):
-        return self._nccl
+    def device_index(self):
+        """The CUDA device whose memory the group moves (NCCL), or -1: host memory (gloo)."""
+        return self._device.index if self._nccl else -1
 
     def supports_background(self):
-        return True
+        """gloo runs a Saver's background collectives beside the caller's; NCCL may not (as the C++
+        NcclGroup says): over NCCL, Saver.save_async is refused and Saver.save saves in the caller's
+        thread."""
+        return not self._nccl
 
     def barrier(self):
         self._dist.barrier(group=self._pg)

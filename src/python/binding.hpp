@@ -24,7 +24,7 @@ SharedBuffer buffer_from_dlpack(py::handle tensor, std::string_view key);
 py::object tensor_object(SharedBuffer buffer);
 
 // A process group over a Python object with the group protocol of shardckpt.TorchGroup (rank, size,
-// barrier, all_gather_bytes, broadcast_bytes, all_gather_rows, split, moves_device,
+// barrier, all_gather_bytes, broadcast_bytes, all_gather_rows, split, device_index,
 // supports_background). Its calls take the GIL; errors raised in Python become Errc::collective.
 std::unique_ptr<ProcessGroup> group_of(py::handle group);
 

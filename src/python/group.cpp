@@ -121,9 +121,10 @@ class PythonGroup final : public ProcessGroup {
     require_root(root, size_);
     return run("broadcast_bytes", [&] { return bytes_of(group_.attr("broadcast_bytes")(python_bytes(bytes), root)); });
   }
+  // A group moves host memory (gloo: device_index() is -1) or its own device's memory (NCCL).
   bool moves(MemorySpace space) const override {
-    if (space.host_accessible()) return true;
-    return run("moves_device", [&] { return group_.attr("moves_device")().cast<bool>(); });
+    const int device = run("device_index", [&] { return group_.attr("device_index")().cast<int>(); });
+    return space.host_accessible() ? device < 0 : device >= 0 && space == MemorySpace::on_device(device);
   }
   bool supports_background() const override {
     return run("supports_background", [&] { return group_.attr("supports_background")().cast<bool>(); });
@@ -149,7 +150,7 @@ class PythonGroup final : public ProcessGroup {
 
 std::unique_ptr<ProcessGroup> group_of(py::handle group) {
   for (const char* name : {"rank", "size", "barrier", "split", "all_gather_rows", "broadcast_bytes",
-                           "all_gather_bytes", "moves_device", "supports_background"})
+                           "all_gather_bytes", "device_index", "supports_background"})
     if (!py::hasattr(group, name))
       throw py::type_error(cat("group: a ", std::string(py::str(py::type::of(group).attr("__name__"))),
                                " has no method ", name, " (pass a shardckpt.TorchGroup, or None for one process)"));
