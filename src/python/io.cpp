@@ -107,34 +107,24 @@ py::dict tensors_dict(LoadedState& loaded) {
   return out;
 }
 
-// An async save in flight. Its end is waited for without the GIL (the save's group needs it).
-struct PyAsyncSave {
-  std::unique_ptr<AsyncSave> save;
-  PyAsyncSave() = default;
-  PyAsyncSave(PyAsyncSave&&) = default;
-  ~PyAsyncSave() {
+// A saver, or an async save in flight, held for Python: it goes without the GIL, since its end
+// waits for a background save whose process group needs the GIL.
+template <class T>
+struct ReleasedOnDestruction {
+  std::unique_ptr<T> held;
+  ReleasedOnDestruction() = default;
+  ReleasedOnDestruction(ReleasedOnDestruction&&) = default;
+  ~ReleasedOnDestruction() {
     if (_Py_IsFinalizing()) {  // the interpreter is going: no thread state to release
-      save.reset();
+      held.reset();
       return;
     }
     py::gil_scoped_release nogil;
-    save.reset();
+    held.reset();
   }
 };
-
-struct PySaver {
-  std::unique_ptr<Saver> saver;
-  PySaver() = default;
-  PySaver(PySaver&&) = default;
-  ~PySaver() {
-    if (_Py_IsFinalizing()) {  // the interpreter is going: no thread state to release
-      saver.reset();
-      return;
-    }
-    py::gil_scoped_release nogil;
-    saver.reset();
-  }
-};
+using PyAsyncSave = ReleasedOnDestruction<AsyncSave>;
+using PySaver = ReleasedOnDestruction<Saver>;
 
 py::dict verify_dict(const VerifyReport& r) {
   py::dict d;
@@ -183,9 +173,9 @@ void bind_saver(py::module_& m) {
   py::class_<PyAsyncSave>(m, "AsyncSave", "A save in the background: wait() returns its outcome or raises it.")
       .def("wait", [](PyAsyncSave& s) {
         py::gil_scoped_release nogil;
-        s.save->wait();
+        s.held->wait();
       })
-      .def("done", [](const PyAsyncSave& s) { return s.save->done(); });
+      .def("done", [](const PyAsyncSave& s) { return s.held->done(); });
   py::class_<PySaver>(m, "Saver", "Repeated (and async) saves of one rank; collective to make.")
       .def(py::init([](py::object group, std::optional<int> cuda_device, std::size_t async_staging_bytes) {
              SaverOptions o;
@@ -195,7 +185,7 @@ void bind_saver(py::module_& m) {
              PySaver s;
              {
                py::gil_scoped_release nogil;
-               s.saver = std::make_unique<Saver>(g.get(), std::move(o));
+               s.held = std::make_unique<Saver>(g.get(), std::move(o));
              }
              return s;
            }),
@@ -203,18 +193,18 @@ void bind_saver(py::module_& m) {
       .def("save",
            [](PySaver& s, const PyStateDict& state, const Path& path) {
              py::gil_scoped_release nogil;
-             s.saver->save(state.state, path);
+             s.held->save(state.state, path);
            },
            py::arg("state"), py::arg("path"))
       .def("save_async",
            [](PySaver& s, const PyStateDict& state, const Path& path) {
              PyAsyncSave out;
              py::gil_scoped_release nogil;
-             out.save = std::make_unique<AsyncSave>(s.saver->save_async(state.state, path));
+             out.held = std::make_unique<AsyncSave>(s.held->save_async(state.state, path));
              return out;
            },
            py::arg("state"), py::arg("path"))
-      .def("staging_bytes", [](const PySaver& s) { return s.saver->staging_bytes(); });
+      .def("staging_bytes", [](const PySaver& s) { return s.held->staging_bytes(); });
 }
 
 }  // namespace
