@@ -11,6 +11,7 @@ module;
 #include <functional>
 #include <map>
 #include <optional>
+#include <set>
 #include <span>
 #include <string>
 #include <string_view>
@@ -102,7 +103,7 @@ std::vector<SourceTensor> adopted_datasets(const std::vector<ParamRecord>& recor
     by_key.emplace(t.key, &t);
   }
   std::vector<SourceTensor> out;
-  std::vector<std::string> cut;
+  std::set<std::string, std::less<>> cut;
   for (const ParamRecord& r : records) {
     const auto whole = by_key.find(r.key);
     if (whole == by_key.end() || (r.blocks.size() == 1 && r.blocks[0].name.empty())) continue;
@@ -111,11 +112,11 @@ std::vector<SourceTensor> adopted_datasets(const std::vector<ParamRecord>& recor
         records_disagree(r, cat("has a fused tensor ", r.key, " and a dataset ", block_key(r.key, b.name),
                                 " of one of its blocks: adopt takes one or the other"));
     cut_fused(r, *whole->second, out);
-    cut.push_back(r.key);
+    cut.insert(r.key);
     ++fused;
   }
   for (SourceTensor& t : tensors)
-    if (std::find(cut.begin(), cut.end(), t.key) == cut.end()) out.push_back(std::move(t));
+    if (!cut.contains(t.key)) out.push_back(std::move(t));
   std::sort(out.begin(), out.end(), [](const SourceTensor& a, const SourceTensor& b) { return a.key < b.key; });
   for (std::size_t i = 1; i < out.size(); ++i)
     require(out[i - 1].key != out[i].key, Errc::invalid_argument, "the parameter records cut a block ", out[i].key,
