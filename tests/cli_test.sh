@@ -379,6 +379,86 @@ PY
 expect_rc 2 "a dataset in /etc/hostname" "$exe" load "$dir/adopt/outside.h5" --no-checksums
 check "names the external file" grep -q "keeps its bytes in '/etc/hostname', not a plain file beside the checkpoint" "$dir/err"
 
+# ---- adopt: a fused tensor (the blocks' rows one after another, as at TP 1) becomes its blocks ---------------
+$py - "$dir/adopt" <<'PY' || fail "fused files for adopt"
+import h5py, json, numpy as np, sys
+d = sys.argv[1]
+src = h5py.File(d + '/f32.h5', 'r')
+records = json.load(open(d + '/records.json'))
+fused = {r['key']: r for r in records if len(r['blocks']) > 1}
+blocks = {r['key'] + '.' + b['name'] for r in fused.values() for b in r['blocks']}
+def write(name, extra=None, rows_off=0):
+    with h5py.File(d + '/' + name, 'w') as f:
+        for k in src:
+            if not k.startswith('_') and k not in blocks:
+                f.create_dataset(k, data=src[k][...])
+        for key, r in fused.items():
+            whole = np.concatenate([src[key + '.' + b['name']][...] for b in r['blocks']])
+            f.create_dataset(key, data=whole[rows_off:])
+        if extra:
+            f.create_dataset(extra, data=src[extra][...])
+write('fused.h5')
+write('both.h5', extra='decoder.layers.0.mixer.in_proj.weight.z')  # the fused tensor and one of its blocks
+write('short.h5', rows_off=1)  # one row fewer than the blocks add up to
+PY
+check "adopt fused tensors" "$exe" adopt "$dir/adopt/fused.h5" --model-config "$dir/adopt/demo.json" --json \
+  > "$dir/fused.json"
+check "fused tensors counted" $py -c "
+import json; d = json.load(open('$dir/fused.json')); assert d['fused'] == 4 and d['tensors'] == 26, d"
+check "fused: load --verify against the demo pattern at another layout" "$exe" load "$dir/adopt/fused.shardckpt.h5" \
+  --tp 2 --gtp 3 --align 8 --verify
+check "fused: verify" "$exe" verify "$dir/adopt/fused.shardckpt.h5"
+check "fused: each block points at its rows of the fused tensor, nothing copied" $py - "$dir/adopt" <<'PY'
+import h5py, os, sys
+d = sys.argv[1]
+a = h5py.File(d + '/fused.shardckpt.h5', 'r'); p = h5py.File(d + '/fused.h5', 'r'); s = h5py.File(d + '/f32.h5', 'r')
+k = 'decoder.layers.0.mixer.in_proj.weight'
+base = p[k].id.get_offset(); row = p[k].dtype.itemsize * p[k].shape[1]
+first = 0
+for name in ['z', 'V0', 'V1', 'K0', 'K1', 'Q', 'b0', 'b1', 'a']:
+    ext = a[k + '.' + name].external
+    assert ext == [('fused.h5', base + first * row, s[k + '.' + name].nbytes)], (name, ext)
+    first += s[k + '.' + name].shape[0]
+assert first == p[k].shape[0]
+assert os.path.getsize(d + '/fused.shardckpt.h5') < os.path.getsize(d + '/fused.h5') / 4
+PY
+check "fused: reshard writes the blocks the plain save wrote" "$exe" reshard "$dir/adopt/fused.shardckpt.h5" \
+  "$dir/adopt/fused-re.h5" --tp 1 --gtp 2 --align 0
+check "fused: resharded values equal the demo's" $py -c "
+import h5py; a = h5py.File('$dir/adopt/fused-re.h5', 'r'); b = h5py.File('$dir/adopt/f32.h5', 'r')
+keys = [k for k in b if not k.startswith('_')]
+assert sorted(keys) == sorted(k for k in a if not k.startswith('_'))
+assert all((a[k][...] == b[k][...]).all() for k in keys)"
+expect_rc 2 "adopt a fused tensor beside one of its blocks" "$exe" adopt "$dir/adopt/both.h5" --model-config "$dir/adopt/demo.json"
+check "says one or the other" grep -q "in_proj.weight.z of one of its blocks: adopt takes one or the other" "$dir/err"
+expect_rc 2 "adopt a fused tensor of the wrong rows" "$exe" adopt "$dir/adopt/short.h5" --model-config "$dir/adopt/demo.json"
+check "names the shapes" grep -q "says the fused tensor has shape \[600, 64\] (its blocks one after another) but decoder.layers.0.mixer.in_proj.weight has \[599, 64\]" "$dir/err"
+
+# ---- adopt --common: typed common values, seen by inspect and returned by load ---------------------------------
+check "adopt with common values" "$exe" adopt "$dir/adopt/plain.h5" --model-config "$dir/adopt/records.json" \
+  --out "$dir/adopt/common.h5" --common step=1200 --common lr=3e-4 --common warmup=-0.5 --common run=exp-7 \
+  --common 'tag="42"' --common empty= > /dev/null
+"$exe" inspect "$dir/adopt/common.h5" --json > "$dir/inspect-common.json" || fail "inspect the common values"
+"$exe" load "$dir/adopt/common.h5" --tp 2 --gtp 2 --align 8 --json > "$dir/load-common.json" || fail "load the common values"
+for j in inspect-common load-common; do
+  check "$j: typed common values" $py -c "
+import json; c = json.load(open('$dir/$j.json'))['common']
+want = {'step': 1200, 'lr': 3e-4, 'warmup': -0.5, 'run': 'exp-7', 'tag': '42', 'empty': ''}
+assert c == want and type(c['step']) is int and type(c['lr']) is float and type(c['tag']) is str, c"
+done
+check "inspect prints them" grep -q 'step = 1200' <("$exe" inspect "$dir/adopt/common.h5")
+for bad in "novalue|not key=value" "=5|not key=value" "_x=1|key '_x' cannot name a common value" \
+           "n=99999999999999999999|the integer is outside the int64 range" "x=1e999|outside the range of a double" \
+           "model_config=1|the demo model config sets it"; do
+  expect_rc 2 "--common ${bad%%|*}" "$exe" adopt "$dir/adopt/plain.h5" --model-config "$dir/adopt/demo.json" \
+    --out "$dir/adopt/bad-common.h5" --common "${bad%%|*}"
+  check "--common ${bad%%|*}: says why, in one line" test "$(wc -l < "$dir/err")" -eq 1 -a -n "$(grep -F "${bad#*|}" "$dir/err")"
+done
+expect_rc 2 "--common given twice" "$exe" adopt "$dir/adopt/plain.h5" --model-config "$dir/adopt/records.json" \
+  --out "$dir/adopt/bad-common.h5" --common a=1 --common a=2
+check "says twice" grep -q "\-\-common a is given twice" "$dir/err"
+check "no checkpoint from bad common values" test ! -e "$dir/adopt/bad-common.h5"
+
 # ---- errors: not a checkpoint, missing file -----------------------------------------------------------------------
 echo "hello" > "$dir/text.h5"
 expect_rc 2 "inspect a text file" "$exe" inspect "$dir/text.h5"

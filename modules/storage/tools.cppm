@@ -1,7 +1,7 @@
 // shardckpt.storage:tools: what works on whole checkpoint files beside saving and loading: adopting
-// a plain HDF5 file (its bytes stay where they are), checking every byte of a checkpoint against its
-// checksums, and parameter records as JSON text. Adopting never changes or replaces its input,
-// and verifying never trusts a byte it has not checked.
+// a plain HDF5 or safetensors file (its bytes stay where they are), checking every byte of a
+// checkpoint against its checksums, and parameter records as JSON text. Adopting never changes or
+// replaces its input, and verifying never trusts a byte it has not checked.
 module;
 #include <cstdint>
 #include <filesystem>
@@ -30,19 +30,24 @@ struct VerifyReport {
   std::int64_t mismatches = 0;  // rows whose bytes differ from their checksum
   std::vector<std::string> problems;  // the first few, naming key and rows
 };
-// Makes the plain HDF5 file `plain` (datasets at the root with the non-GTP keys and global shapes,
-// contiguous and unfiltered, as h5py writes them; no shardckpt metadata) loadable as a checkpoint
-// without rewriting its data: writes the checkpoint `out`, in the same directory, whose datasets
-// keep their bytes in `plain` (HDF5 external storage) and which carries the parameter records,
-// `common`, the slab table and the checksum of every row (read from `plain` once). `plain` is not
-// changed. Throws Errc::not_a_checkpoint naming a dataset it cannot adopt, Errc::invalid_argument
-// when the records do not match the datasets, and Errc::io.
-// `out` may not be `plain` itself (the same file through any link) and may not name anything but a
-// regular file; it is written like a save (a temporary file, committed atomically).
+// Makes `plain`, a plain HDF5 file (datasets at the root, contiguous and unfiltered, as h5py writes
+// them; no shardckpt metadata) or a safetensors file (as Hugging Face's safetensors writes it; told
+// apart by their first bytes), loadable as a checkpoint without rewriting its data: writes the
+// checkpoint `out`, in the same directory, whose datasets keep their bytes in `plain` (HDF5 external
+// storage) and which carries the parameter records, `common`, the slab table and the checksum of
+// every row (read from `plain` once). Each tensor of `plain` is one dataset under its own name,
+// except a fused tensor: a tensor named by the key of a record of named blocks holds those blocks'
+// rows one after another (as a TP 1 run holds it), and becomes one dataset per block, each pointing
+// at its rows of the tensor. `plain` is not changed. Throws Errc::not_a_checkpoint naming a tensor
+// or header field it cannot adopt, Errc::invalid_argument when the records do not match the
+// tensors, and Errc::io. `out` may not be `plain` itself (the same file through any link) and may
+// not name anything but a regular file; it is written like a save (a temporary file, committed
+// atomically).
 struct AdoptReport {
-  std::int64_t tensors = 0;
-  std::int64_t params = 0;
-  std::int64_t bytes = 0;
+  std::int64_t tensors = 0;  // datasets of the checkpoint
+  std::int64_t params = 0;   // parameter records
+  std::int64_t bytes = 0;    // tensor bytes, all in `plain`
+  std::int64_t fused = 0;    // fused tensors of `plain` adopted as their blocks
 };
 AdoptReport adopt(const std::filesystem::path& plain, const std::filesystem::path& out,
                   const std::vector<ParamRecord>& records, const Values& common);

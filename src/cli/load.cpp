@@ -37,7 +37,15 @@ struct Outcome {
   double seconds = 0;
   std::int64_t bytes = 0, values = 0, pad_rows = 0, mismatches = 0;
   std::string first_mismatch;
+  Values common;  // what rank 0's load returned
 };
+
+// Common values as JSON: an int64 as an integer, a double as a number, a string as a string.
+json common_json(const Values& values) {
+  json out = json::object();
+  for (const auto& [key, value] : values) std::visit([&](const auto& v) { out[key] = v; }, value);
+  return out;
+}
 
 std::int64_t shard_bytes(const StateDict& request) {
   std::int64_t n = 0;
@@ -60,7 +68,7 @@ Outcome run(const LoadFlags& f, const demo::Layout& layout, const CheckpointRead
     StateDict model =
         demo::with_destinations(request_of(reader, layout, group.rank(), f.distributed), device.placement);
     const std::unique_ptr<ProcessGroup> replicas = replica_group(group, layout);
-    (void)load_into(reader, model, group,
+    Values loaded = load_into(reader, model, group,
                     {.method = method_of(f.method),
                      .verify_checksums = !f.no_checksums,
                      .expect_id = reader.contents().id,
@@ -73,7 +81,10 @@ Outcome run(const LoadFlags& f, const demo::Layout& layout, const CheckpointRead
         f.verify ? demo::verify_tensors(model, group.rank(), device.engine.get(), demo_model.has_value())
                  : demo::Verification{};
     const std::lock_guard lock(m);
-    if (group.rank() == 0) out.seconds = seconds_since(t0);
+    if (group.rank() == 0) {
+      out.seconds = seconds_since(t0);
+      out.common = std::move(loaded);
+    }
     out.bytes += shard_bytes(model);
     out.values += v.values;
     out.pad_rows += v.pad_rows;
@@ -82,6 +93,24 @@ Outcome run(const LoadFlags& f, const demo::Layout& layout, const CheckpointRead
   });
   sum_over_job(f.layout.mpi, {&out.bytes, &out.values, &out.pad_rows, &out.mismatches});
   return out;
+}
+
+// The --json report.
+json report_json(const LoadFlags& f, const demo::Layout& layout, const Outcome& o, bool checksums, bool pattern,
+                 bool verified) {
+  return {{"file", f.file},
+          {"layout", demo::layout_json(layout)},
+          {"device", f.device.device},
+          {"distributed_optimizer", f.distributed},
+          {"seconds", o.seconds},
+          {"bytes", o.bytes},
+          {"checksums_checked", checksums},
+          {"pattern_checked", pattern},
+          {"values_verified", o.values},
+          {"pad_rows_verified", o.pad_rows},
+          {"mismatches", o.mismatches},
+          {"verified", verified},
+          {"common", common_json(o.common)}};
 }
 
 }  // namespace
@@ -113,19 +142,7 @@ Runner add_load(CLI::App& app, Global& global) {
     const bool verified = o.mismatches == 0 && (checksums || (f->verify && demo_model));
     if (!is_root(f->layout.mpi)) return o.mismatches ? mismatch : success;
     if (global.json) {
-      print_json(json{{"file", f->file},
-                      {"layout", demo::layout_json(layout)},
-                      {"device", f->device.device},
-                      {"distributed_optimizer", f->distributed},
-                      {"seconds", o.seconds},
-                      {"bytes", o.bytes},
-                      {"checksums_checked", checksums},
-                      {"pattern_checked", f->verify && demo_model.has_value()},
-                      {"values_verified", o.values},
-                      {"pad_rows_verified", o.pad_rows},
-                      {"mismatches", o.mismatches},
-                      {"verified", verified}}
-                     .dump());
+      print_json(report_json(*f, layout, o, checksums, f->verify && demo_model.has_value(), verified).dump());
     } else {
       std::printf("loaded %s (%s of shards) at %s in %.3f s\n", f->file.c_str(), mib_text(o.bytes).c_str(),
                   demo::layout_text(layout).c_str(), o.seconds);

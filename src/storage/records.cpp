@@ -17,10 +17,10 @@ import :records;
 
 namespace shardckpt {
 
-void require_key(std::string_view key) {
+void require_key(std::string_view key, std::string_view what) {
   require(!key.empty() && key.find('/') == std::string_view::npos && key != "." && key[0] != '_',
-          Errc::invalid_argument, "key '", key,
-          "' cannot name a dataset: it must be non-empty, contain no '/' and not start with '_'");
+          Errc::invalid_argument, "key '", key, "' cannot name ", what,
+          ": it must be non-empty, contain no '/' and not start with '_'");
 }
 
 namespace {

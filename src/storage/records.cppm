@@ -22,8 +22,9 @@ constexpr const char* checksums_set = "_shardckpt/checksums";
 constexpr std::string_view checksum_scheme = "xxh3-64 of each row of each slab";
 constexpr std::string_view no_checksums = "none";
 
-// Throws Errc::invalid_argument unless `key` can name a dataset at the root.
-void require_key(std::string_view key);
+// Throws Errc::invalid_argument unless `key` can name a dataset at the root (or, as `what` says,
+// a common value: an attribute of /_shardckpt/common).
+void require_key(std::string_view key, std::string_view what = "a dataset");
 
 // Parameter records as the `params` attribute holds them (records_json in :tools writes them):
 // strict (every field present with its JSON type, integers in the int64 range, nothing nested deeper

@@ -82,7 +82,7 @@ void write_metadata(hid_t file, const CheckpointContents& contents, const Where&
   meta.close(w);
   Hid common = hdf5::create_group(file, common_group, w);
   for (const auto& [key, value] : contents.common) {
-    require_key(key);
+    require_key(key, "a common value");
     hdf5::write_attr(common.get(), key.c_str(), value, w);
   }
   common.close(w);
