@@ -32,7 +32,7 @@ std::string fused_data() {
 constexpr const char* fused_header =
     R"({"__metadata__": {"format": "pt"}, "w": {"dtype": "F32", "shape": [6, 2], "data_offsets": [0, 48]},)"
     R"( "n": {"dtype": "BF16", "shape": [3], "data_offsets": [48, 54]}})";
-const std::vector<ParamRecord> fused_records{{"w", TpAxis::rows, {{"a", 2}, {"b", 4}}, {2}}};
+const std::vector<ParamRecord> fused_records{{"w", TpAxis::rows, {{"a", 2}, {"b", 4}}, {2}, {}}};
 
 template <class T>
 std::vector<T> read_whole(const CheckpointReader& r, const std::string& key) {
@@ -72,7 +72,7 @@ TEST(Adopt, AFusedSafetensorsTensorBecomesItsBlocksWithoutACopy) {
 TEST(Adopt, AFusedTensorMustHoldExactlyItsBlocks) {
   ScratchDir dir;
   write_safetensors(dir / "m.safetensors", fused_header, fused_data());
-  const std::vector<ParamRecord> short_record{{"w", TpAxis::rows, {{"a", 2}, {"b", 3}}, {2}}};
+  const std::vector<ParamRecord> short_record{{"w", TpAxis::rows, {{"a", 2}, {"b", 3}}, {2}, {}}};
   const Error e = error_of([&] { (void)adopt(dir / "m.safetensors", dir / "m.h5", short_record, {}); });
   EXPECT_EQ(e.code(), Errc::invalid_argument);
   EXPECT_TRUE(contains(e.what(), "says the fused tensor has shape [5, 2] (its blocks one after another) but w has [6, 2]"))
