@@ -64,7 +64,8 @@ class Error : public std::exception {
 };
 
 // A value saved once for a whole checkpoint (an iteration, a learning rate, a configuration), and
-// values by key. Using them needs <variant> (std::get) and <map> (at, find) in the using file.
+// values by key. A file that reads a value needs <variant> (std::get, std::holds_alternative); a
+// Values' members (at, find, a loop) need nothing more (src/core.cpp says why).
 using CommonValue = std::variant<std::int64_t, double, std::string>;
 using Values = std::map<std::string, CommonValue, std::less<>>;
 
