@@ -42,7 +42,7 @@ enum class Errc : std::uint8_t {
 
 std::string_view errc_name(Errc code) noexcept;
 
-// The library's version, as its build (meson.build's project version) gives it: "0.2.0".
+// The library's version, as its build (meson.build's project version) gives it: "0.3.0".
 std::string_view library_version() noexcept;
 
 // The library's only exception. Context is prepended on the way up ("while saving key K: ..."),
