@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 packages=(meson ninja-build clang-19 lld-19 clang-tools-19 libclang-rt-19-dev
           libhdf5-dev hdf5-tools librange-v3-dev libgtest-dev pkg-config
           nlohmann-json3-dev libcli11-dev openmpi-bin libopenmpi-dev
-          python3-h5py python3-numpy python3-xxhash libxxhash-dev)
+          python3-h5py python3-numpy python3-xxhash libxxhash-dev libtorch-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
