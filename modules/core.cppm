@@ -42,7 +42,7 @@ enum class Errc : std::uint8_t {
 
 std::string_view errc_name(Errc code) noexcept;
 
-// The library's version, as its build (meson.build's project version) gives it: "0.2.0".
+// The library's version, as its build (meson.build's project version) gives it: "0.3.0".
 std::string_view library_version() noexcept;
 
 // The library's only exception. Context is prepended on the way up ("while saving key K: ..."),
@@ -64,7 +64,8 @@ class Error : public std::exception {
 };
 
 // A value saved once for a whole checkpoint (an iteration, a learning rate, a configuration), and
-// values by key. Using them needs <variant> (std::get) and <map> (at, find) in the using file.
+// values by key. A file that reads a value needs <variant> (std::get, std::holds_alternative); a
+// Values' members (at, find, a loop) need nothing more (src/core.cpp says why).
 using CommonValue = std::variant<std::int64_t, double, std::string>;
 using Values = std::map<std::string, CommonValue, std::less<>>;
 

@@ -2,9 +2,12 @@ module;
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <span>
 #include <string>
 #include <string_view>
+#include <variant>
 module shardckpt.core;
 
 namespace shardckpt {
@@ -13,6 +16,16 @@ namespace shardckpt {
 #error "the build defines SHARDCKPT_VERSION (meson.build's project version)"
 #endif
 std::string_view library_version() noexcept { return SHARDCKPT_VERSION; }
+
+// clang 19 does not instantiate, in a file that imports shardckpt.core without including <map>, the
+// hidden friend operator== of libstdc++'s map iterators (declared in this module's global module
+// fragment): that file's `values.at(key)`, `find(key) != end()` or loop over a Values compiles and
+// then misses the symbol at link time. Calls the optimizer may not inline make this library define
+// both (weak, exported), so that such files link.
+namespace detail {
+[[clang::optnone]] bool values_iterators_equal(Values::iterator a, Values::iterator b) { return a == b; }
+[[clang::optnone]] bool values_iterators_equal(Values::const_iterator a, Values::const_iterator b) { return a == b; }
+}  // namespace detail
 
 std::string_view errc_name(Errc code) noexcept {
   switch (code) {

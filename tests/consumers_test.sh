@@ -1,25 +1,41 @@
 #!/usr/bin/env bash
-# The two example consumers (examples/), as a new user builds them: the library installed into a
-# temporary prefix and found through pkg-config, and the library as a Meson subproject (the
-# tutorial). Both programs run, and the tool loads, verifies, reshards and inspects what they saved.
+# The example consumers (examples/), as a new user builds them: the library installed into a
+# temporary prefix and found through pkg-config (dependency('shardckpt') and `import shardckpt;`,
+# nothing else), other toolchains stopped by one clear error, the C API from C and from a libtorch
+# (C++17) program, and the tutorial with and without an installed copy. The programs run, and the
+# tool loads, verifies, reshards and inspects what they saved.
 # Usage: consumers_test.sh BUILD_DIR (a configured build of this repository)
+# Every build takes the lock SHARDCKPT_BUILD_LOCK (default /tmp/shardckpt-build.lock; empty: none),
+# so that test runs sharing a machine do not build at once.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=$(cd "$1" && pwd)
 exe=$build/shardckpt
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+lock=${SHARDCKPT_BUILD_LOCK-/tmp/shardckpt-build.lock}
+locked() { if [ -n "$lock" ]; then flock "$lock" "$@"; else "$@"; fi; }
+export lock
+export -f locked  # for the checks that run through bash -c
 passed=0 failed=0
 check() { local what=$1; shift; if "$@" > "$work/out" 2>&1; then passed=$((passed + 1)); else
   failed=$((failed + 1)); echo "FAIL: $what"; tail -20 "$work/out"; fi; }
 
-# pkg-config: install, configure against the installed .pc file, build the module interfaces there.
+# pkg-config: install, then a project whose meson.build is dependency('shardckpt') and whose source
+# imports shardckpt: it uses the installed precompiled interfaces as they are.
 check "install into a temporary prefix" meson install -C "$build" --destdir "$work/dest" --no-rebuild
 pc=$(dirname "$(find "$work/dest" -name shardckpt.pc | head -1)")
 lib=$(dirname "$(find "$work/dest" -name 'libshardckpt.so' | head -1)")
-check "configure the pkg-config consumer" env PKG_CONFIG_PATH="$pc" \
+check "the installed .pc maps every installed module to its installed BMI" bash -c "
+  flags=\$(PKG_CONFIG_PATH='$pc' pkg-config --cflags shardckpt) &&
+  for m in \$(PKG_CONFIG_PATH='$pc' pkg-config --variable=modules shardckpt | tr ';' ' '); do
+    bmi=\$(echo \" \$flags\" | grep -o \"=/[^ =]*/\$m.pcm\") && [ -f \"\${bmi#=}\" ] || { echo \"no BMI for \$m\"; exit 1; }
+  done"
+check "the pkg-config consumer is dependency('shardckpt') and nothing else" bash -c \
+  "grep -v '^#' '$root/examples/pkgconfig/meson.build' | grep -c . | grep -qx 2"
+check "configure the pkg-config consumer" locked env PKG_CONFIG_PATH="$pc" \
   meson setup "$work/pkgconfig" "$root/examples/pkgconfig" --native-file "$root/scripts/clang.ini"
-check "build the pkg-config consumer" meson compile -C "$work/pkgconfig"
+check "build the pkg-config consumer" locked meson compile -C "$work/pkgconfig"
 check "run the pkg-config consumer" env LD_LIBRARY_PATH="$lib" "$work/pkgconfig/save_and_reshard" "$work/consumer.h5"
 check "load --verify a consumer's checkpoint" "$exe" load "$work/consumer.h5" --tp 2 --gtp 3 --align 8 --verify
 check "verify a consumer's checkpoint" "$exe" verify "$work/consumer.h5"
@@ -28,19 +44,88 @@ check "resharded tensors are equal" h5diff --exclude-path /_shardckpt "$work/con
 check "inspect a consumer's checkpoint" bash -c "'$exe' inspect '$work/consumer.h5' --json | /usr/bin/python3 -c \
   'import json, sys; d = json.load(sys.stdin); assert len(d[\"tensors\"]) == 10 and len(d[\"params\"]) == 2, d'"
 
-# Subproject: the tutorial's project, with this repository at subprojects/shardckpt.
-mkdir -p "$work/tutorial/subprojects"
-cp "$root"/examples/subproject/* "$work/tutorial/"
-ln -s "$root" "$work/tutorial/subprojects/shardckpt"
-check "configure the tutorial" meson setup "$work/tutorial/build" "$work/tutorial" \
-  --native-file "$work/tutorial/subprojects/shardckpt/scripts/clang.ini"
-check "build the tutorial" meson compile -C "$work/tutorial/build"
+# Another toolchain with the installed flags: one error, from include/shardckpt/toolchain_check.h,
+# that says what to use, then the stop (no cascade from `import`). Args: expected text, compiler...
+one_error() {
+  local expect=$1; shift
+  ! locked "$@" $(PKG_CONFIG_PATH="$pc" pkg-config --cflags shardckpt) -c "$root/examples/pkgconfig/save_and_reshard.cpp" \
+    -o "$work/never.o" > "$work/diag" 2>&1 || { echo "it compiled"; return 1; }
+  cat "$work/diag"
+  grep -q "toolchain_check.h:[0-9]*:[0-9]*: error: .*shardckpt: .*$expect" "$work/diag" || { echo "no clear error"; return 1; }
+  [ "$(grep -c 'error:' "$work/diag")" -eq 2 ] && grep -q "fatal error: .*shardckpt: compilation stopped" "$work/diag"
+}
+check "g++ gets one error: use clang++-19" one_error "this compiler is not clang (g++?).*compile with clang++-19 -std=c++20" g++ -std=c++20
+check "-std=c++17 gets one error: use -std=c++20" one_error "another language standard.*compile with exactly -std=c++20" \
+  clang++-19 -std=c++17
+check "-std=gnu++20 gets one error: use -std=c++20" one_error "another language standard.*exactly -std=c++20" \
+  clang++-19 -std=gnu++20
+check "-stdlib=libc++ gets one error: use libstdc++" one_error "another standard library than libstdc++" \
+  clang++-19 -std=c++20 -stdlib=libc++
+check "a C compiler gets one error: use shardckpt-c" one_error "is for C++.*pkg-config shardckpt-c" clang-19 -x c
+if command -v clang++-14 > /dev/null; then
+  check "clang++-14 gets one error: use clang++-19" one_error "this clang is not clang 19" clang++-14 -std=c++20
+fi
+check "a Meson consumer at cpp_std=c++17 stops at the same error" bash -c "
+  locked env PKG_CONFIG_PATH='$pc' meson setup '$work/pkgconfig17' '$root/examples/pkgconfig' \
+    --native-file '$root/scripts/clang.ini' -Dcpp_std=c++17 > /dev/null &&
+  ! locked meson compile -C '$work/pkgconfig17' > '$work/diag17' 2>&1 &&
+  grep -q 'shardckpt: this file is compiled with another language standard.*exactly -std=c++20' '$work/diag17'"
+
+# The C API, from C (pkg-config shardckpt-c: a header and the library, no module flags).
+check "build the C example against shardckpt-c" bash -c "
+  locked cc -std=c99 -Wall -Wextra -pedantic -Werror \$(PKG_CONFIG_PATH='$pc' pkg-config --cflags shardckpt-c) \
+    '$root/examples/c/save_load.c' -o '$work/save_load' \$(PKG_CONFIG_PATH='$pc' pkg-config --libs shardckpt-c)"
+check "run the C example" env LD_LIBRARY_PATH="$lib" "$work/save_load" "$work/c.h5"
+check "verify the C example's checkpoint" "$exe" verify "$work/c.h5"
+
+# The C API from libtorch (C++17, g++): a fused GDP in_proj saved as GTP shards, loaded at another layout.
+if [ -f /usr/include/torch/csrc/api/include/torch/torch.h ]; then
+  check "configure the libtorch example" locked env PKG_CONFIG_PATH="$pc" meson setup "$work/libtorch" "$root/examples/libtorch"
+  check "build the libtorch example" locked meson compile -C "$work/libtorch"
+  check "run the libtorch example (bit-equal after GTP 2 -> GTP 3)" bash -c \
+    "LD_LIBRARY_PATH='$lib' '$work/libtorch/in_proj' '$work/torch.h5' > '$work/torch.out'; s=\$?; cat '$work/torch.out';
+     [ \$s -eq 0 ] && grep -q 'weight bit-equal, 12 pad rows zero, output equal' '$work/torch.out'"
+  check "load --verify the libtorch example's checkpoint" "$exe" load "$work/torch.h5" --tp 1 --gtp 4 --align 4 --verify
+else
+  echo "SKIP: the libtorch example (no libtorch-dev: scripts/setup.sh installs it)"
+fi
+
+# The tutorial's project, with this repository at subprojects/shardckpt: without an installed copy it
+# builds the subproject; with one on PKG_CONFIG_PATH it uses it; an older installed one is passed over.
+tutorial() {  # directory: a copy of the project
+  mkdir -p "$1/subprojects" && cp "$root"/examples/subproject/* "$1/" && ln -s "$root" "$1/subprojects/shardckpt"
+}
+tutorial "$work/tutorial"
+no_installed=()
+PKG_CONFIG_PATH= pkg-config --exists shardckpt && no_installed=(--force-fallback-for=shardckpt)  # one on this machine
+check "configure the tutorial without an installed copy (the subproject)" bash -c "
+  locked meson setup '$work/tutorial/build' '$work/tutorial' --native-file '$work/tutorial/subprojects/shardckpt/scripts/clang.ini' \
+    ${no_installed[*]} > '$work/setup.log' && cat '$work/setup.log' && grep -q 'Executing subproject shardckpt' '$work/setup.log'"
+check "build the tutorial" locked meson compile -C "$work/tutorial/build"
 check "run the tutorial" bash -c "cd '$work/tutorial' && build/tutorial"
 check "h5py reads the tutorial's checkpoints" bash -c "cd '$work/tutorial' && /usr/bin/python3 read.py"
 check "run the training loop (async saves from device memory, a restart in place)" \
   bash -c "cd '$work/tutorial' && build/training_loop"
 check "load --verify the training loop's checkpoint" "$exe" load "$work/tutorial/training.h5" --tp 2 --gtp 1 --verify
 check "verify the resharded tutorial checkpoint" "$exe" verify "$work/tutorial/resharded.h5"
+
+tutorial "$work/tutorial-installed"
+check "configure the tutorial with an installed copy (no subproject)" bash -c "
+  locked env PKG_CONFIG_PATH='$pc' meson setup '$work/tutorial-installed/build' '$work/tutorial-installed' \
+    --native-file '$root/scripts/clang.ini' > '$work/setup.log' && cat '$work/setup.log' &&
+  grep -q 'Run-time dependency shardckpt found: YES' '$work/setup.log' && ! grep -q 'Executing subproject' '$work/setup.log'"
+check "build the tutorial against the installed copy" locked meson compile -C "$work/tutorial-installed/build"
+check "run the tutorial built against the installed copy" bash -c \
+  "cd '$work/tutorial-installed' && LD_LIBRARY_PATH='$lib' build/tutorial && LD_LIBRARY_PATH='$lib' build/training_loop"
+check "its checkpoints equal the subproject build's" h5diff --exclude-path /_shardckpt \
+  "$work/tutorial/resharded.h5" "$work/tutorial-installed/resharded.h5"
+
+mkdir -p "$work/old-pc" && sed 's/^Version: .*/Version: 0.2.0/' "$pc/shardckpt.pc" > "$work/old-pc/shardckpt.pc"
+tutorial "$work/tutorial-old"
+check "configure the tutorial with an older installed copy: the subproject" bash -c "
+  locked env PKG_CONFIG_PATH='$work/old-pc' meson setup '$work/tutorial-old/build' '$work/tutorial-old' \
+    --native-file '$root/scripts/clang.ini' > '$work/setup.log' && cat '$work/setup.log' &&
+  grep -q 'Executing subproject shardckpt' '$work/setup.log'"
 
 # The h5py scripts of docs/format-walkthrough.md, on a fresh demo checkpoint: each reads what it
 # says, and each check fails on a file damaged where it looks.

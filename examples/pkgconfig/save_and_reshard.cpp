@@ -1,11 +1,14 @@
 // A training job's checkpoint, end to end: TP 2 x GTP 2 ranks (threads here; processes with MPI) each
 // hold a padded shard of a fused GatedDeltaProduct in_proj and of a row-parallel out_proj, save them
 // as one checkpoint without gathering anything, and TP 1 x GTP 3 ranks load it back at alignment 8
-// and check every value. Usage: save_and_reshard CHECKPOINT
+// and check every value and the saved iteration. Usage: save_and_reshard CHECKPOINT
+// The includes are what the file itself uses (docs/user-guide.md, section 12); the rest comes
+// with `import shardckpt;`.
 #include <cstdint>
 #include <cstdio>
 #include <mutex>
 #include <string>
+#include <variant>
 #include <vector>
 import shardckpt;
 
@@ -93,6 +96,8 @@ std::int64_t load_and_check(const std::string& path) {
       const std::int64_t real = sc::plan_rank(p.spec, p.gtp, p.align, p.coord).real_rows;
       for (auto i = static_cast<std::size_t>(real * p.spec.row_elems()); i < values.size(); ++i) bad += values[i] != 0;
     }
+    // A common value comes back in the loaded state's Values (a std::map of std::variant).
+    bad += std::get<std::int64_t>(loaded.values().at("iteration")) != 1000;
     static std::mutex m;
     const std::lock_guard lock(m);
     wrong += bad;

@@ -1,0 +1,293 @@
+// Tests for the C API (include/shardckpt/shardckpt.h), compiled as C++17 with no module flags, as a
+// framework's extension would use it: GTP shards saved by thread ranks and loaded at another layout,
+// and every failure as a code and a message that names what was wrong.
+#include <gtest/gtest.h>
+#include <shardckpt/shardckpt.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <unistd.h>
+
+namespace {
+
+namespace fs = std::filesystem;
+
+// A fused weight [z | V0 V1 | b] of 30 rows and 4 columns, f32.
+const shardckpt_section sections[] = {{"z", 8}, {"V0", 8}, {"V1", 8}, {"b", 6}};
+const std::int64_t trailing[] = {4};
+constexpr std::int64_t rows = 30, cols = 4;
+
+shardckpt_param weight(std::int64_t gtp, std::int64_t gtp_rank, std::int64_t align) {
+  shardckpt_param p{};
+  p.key = "layers.0.in_proj.weight";
+  p.sections = sections;
+  p.section_count = 4;
+  p.trailing = trailing;
+  p.trailing_count = 1;
+  p.tp_axis = SHARDCKPT_TP_ROWS;
+  p.tp = 1;
+  p.gtp = gtp;
+  p.gtp_rank = gtp_rank;
+  p.align = align;
+  p.dtype = SHARDCKPT_F32;
+  return p;
+}
+
+std::int64_t padded_rows(const shardckpt_param& p) {
+  std::int64_t padded = -1;
+  EXPECT_EQ(shardckpt_shard_rows(&p, &padded, nullptr), SHARDCKPT_OK) << shardckpt_last_error();
+  return padded;
+}
+
+// Value of element (row, col) of the whole weight.
+float value(std::int64_t row, std::int64_t col) { return static_cast<float>(row * 100 + col); }
+
+struct Rank {
+  std::vector<float> shard;
+  shardckpt_state* state = shardckpt_state_new();
+  Rank() = default;
+  Rank(const Rank&) = delete;
+  Rank& operator=(const Rank&) = delete;
+  ~Rank() { shardckpt_state_free(state); }
+};
+
+// Each GTP rank's padded shard of the weight (real rows filled, pad rows `pad`), in its state dict.
+std::vector<Rank> ranks_at(std::int64_t gtp, std::int64_t align, bool fill, float pad = 0) {
+  std::vector<Rank> out(static_cast<std::size_t>(gtp));
+  for (std::int64_t g = 0; g < gtp; ++g) {
+    shardckpt_param p = weight(gtp, g, align);
+    const std::int64_t l = padded_rows(p);
+    Rank& r = out[static_cast<std::size_t>(g)];
+    r.shard.assign(static_cast<std::size_t>(l * cols), pad);
+    for (std::int64_t i = 0; fill && i < l && g * l + i < rows; ++i)
+      for (std::int64_t c = 0; c < cols; ++c) r.shard[static_cast<std::size_t>(i * cols + c)] = value(g * l + i, c);
+    p.shard = r.shard.data();
+    p.shard_bytes = r.shard.size() * sizeof(float);
+    EXPECT_EQ(shardckpt_state_add_param(r.state, &p), SHARDCKPT_OK) << shardckpt_last_error();
+  }
+  return out;
+}
+
+std::vector<shardckpt_state*> states_of(std::vector<Rank>& ranks) {
+  std::vector<shardckpt_state*> out;
+  for (Rank& r : ranks) out.push_back(r.state);
+  return out;
+}
+
+class CApi : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("shardckpt_capi_" + std::to_string(::getpid()) + "_" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string path(const char* name) const { return (dir_ / name).string(); }
+
+  // Saves the weight from `gtp` thread ranks at alignment `align`, with three common values.
+  std::string save(std::int64_t gtp, std::int64_t align) {
+    std::vector<Rank> ranks = ranks_at(gtp, align, true);
+    for (Rank& r : ranks) {
+      EXPECT_EQ(shardckpt_state_add_int(r.state, "step", 1000), SHARDCKPT_OK);
+      EXPECT_EQ(shardckpt_state_add_double(r.state, "lr", 0.25), SHARDCKPT_OK);
+      EXPECT_EQ(shardckpt_state_add_string(r.state, "arch", "gdp"), SHARDCKPT_OK);
+    }
+    const std::string to = path("saved.h5");
+    std::vector<shardckpt_state*> states = states_of(ranks);
+    EXPECT_EQ(shardckpt_save_ranks(states.data(), static_cast<int>(gtp), to.c_str()), SHARDCKPT_OK)
+        << shardckpt_last_error();
+    return to;
+  }
+
+ private:
+  fs::path dir_;
+};
+
+TEST_F(CApi, ShardRowsFollowTheGeometry) {
+  std::int64_t padded = 0, real = 0;
+  shardckpt_param p = weight(4, 3, 4);  // 30 rows, block 16: 2 pad rows, 8 rows a shard
+  ASSERT_EQ(shardckpt_shard_rows(&p, &padded, &real), SHARDCKPT_OK);
+  EXPECT_EQ(padded, 8);
+  EXPECT_EQ(real, 6);
+}
+
+TEST_F(CApi, GtpShardsSavedByRanksLoadAtAnotherLayout) {
+  const std::string file = save(2, 16);  // 16 rows a shard: rank 1 holds 14 real rows, 2 pad rows
+  std::vector<Rank> ranks = ranks_at(3, 4, false, -1.0f);  // 12 rows a shard; pads start as -1
+  std::vector<shardckpt_state*> states = states_of(ranks);
+  shardckpt_values* values = nullptr;
+  ASSERT_EQ(shardckpt_load_into_ranks(file.c_str(), states.data(), 3, &values), SHARDCKPT_OK) << shardckpt_last_error();
+  for (std::int64_t g = 0; g < 3; ++g)
+    for (std::int64_t i = 0; i < 12; ++i)
+      for (std::int64_t c = 0; c < cols; ++c) {
+        const float got = ranks[static_cast<std::size_t>(g)].shard[static_cast<std::size_t>(i * cols + c)];
+        EXPECT_EQ(got, g * 12 + i < rows ? value(g * 12 + i, c) : 0.0f) << "rank " << g << " row " << i;
+      }
+  std::int64_t step = 0;
+  double lr = 0;
+  const char* arch = nullptr;
+  EXPECT_EQ(shardckpt_values_int(values, "step", &step), SHARDCKPT_OK);
+  EXPECT_EQ(shardckpt_values_double(values, "lr", &lr), SHARDCKPT_OK);
+  EXPECT_EQ(shardckpt_values_string(values, "arch", &arch), SHARDCKPT_OK);
+  EXPECT_EQ(step, 1000);
+  EXPECT_EQ(lr, 0.25);
+  EXPECT_STREQ(arch, "gdp");
+  ASSERT_EQ(shardckpt_values_count(values), 3u);
+  EXPECT_STREQ(shardckpt_values_key(values, 0), "arch");  // in byte order
+  EXPECT_EQ(shardckpt_values_key(values, 3), nullptr);
+  shardckpt_value_kind kind{};
+  EXPECT_EQ(shardckpt_values_kind(values, "lr", &kind), SHARDCKPT_OK);
+  EXPECT_EQ(kind, SHARDCKPT_VALUE_DOUBLE);
+  shardckpt_values_free(values);
+}
+
+TEST_F(CApi, OneProcessSavesAndLoadsTheWholeWeight) {
+  std::vector<Rank> saved = ranks_at(1, 0, true);
+  const std::string file = path("one.h5");
+  ASSERT_EQ(shardckpt_save(saved[0].state, file.c_str()), SHARDCKPT_OK) << shardckpt_last_error();
+  std::vector<Rank> loaded = ranks_at(1, 0, false, 5.0f);
+  ASSERT_EQ(shardckpt_load_into(file.c_str(), loaded[0].state, nullptr), SHARDCKPT_OK) << shardckpt_last_error();
+  EXPECT_EQ(loaded[0].shard, saved[0].shard);
+}
+
+TEST_F(CApi, AWrongSizeBufferIsRefusedWithCodeAndMessage) {
+  shardckpt_state* state = shardckpt_state_new();
+  std::vector<float> shard(static_cast<std::size_t>(16 * cols));  // the shard has 15 rows at GTP 2
+  shardckpt_param p = weight(2, 1, 0);
+  p.shard = shard.data();
+  p.shard_bytes = shard.size() * sizeof(float);
+  EXPECT_EQ(shardckpt_state_add_param(state, &p), SHARDCKPT_ERR_SHAPE_MISMATCH);
+  EXPECT_EQ(shardckpt_last_errc(), SHARDCKPT_ERR_SHAPE_MISMATCH);
+  const std::string message = shardckpt_last_error();
+  EXPECT_NE(message.find("parameter layers.0.in_proj.weight (TP rank 0, GTP rank 1)"), std::string::npos) << message;
+  EXPECT_NE(message.find("holds 256 bytes"), std::string::npos) << message;
+  EXPECT_NE(message.find("f32 [15, 4] needs 240 bytes"), std::string::npos) << message;
+  EXPECT_STREQ(shardckpt_errc_name(shardckpt_last_errc()), "shape_mismatch");
+  shardckpt_state_free(state);
+}
+
+TEST_F(CApi, ALoadIntoAnotherRowWidthIsRefusedBeforeAnyRead) {
+  const std::string file = save(2, 16);
+  const std::int64_t wider[] = {5};
+  shardckpt_param p = weight(1, 0, 0);
+  p.trailing = wider;
+  std::vector<float> shard(static_cast<std::size_t>(rows * 5), 7.0f);
+  p.shard = shard.data();
+  p.shard_bytes = shard.size() * sizeof(float);
+  shardckpt_state* state = shardckpt_state_new();
+  ASSERT_EQ(shardckpt_state_add_param(state, &p), SHARDCKPT_OK) << shardckpt_last_error();
+  EXPECT_EQ(shardckpt_load_into(file.c_str(), state, nullptr), SHARDCKPT_ERR_SHAPE_MISMATCH);
+  EXPECT_NE(std::string(shardckpt_last_error()).find("layers.0.in_proj.weight.z"), std::string::npos)
+      << shardckpt_last_error();
+  EXPECT_EQ(shard, std::vector<float>(shard.size(), 7.0f));  // nothing was read into it
+  shardckpt_state_free(state);
+}
+
+TEST_F(CApi, BadKeysComeBackAsTextAndCode) {
+  shardckpt_state* state = shardckpt_state_new();
+  std::vector<float> shard(static_cast<std::size_t>(rows * cols));
+  shardckpt_param p = weight(1, 0, 0);
+  p.shard = shard.data();
+  p.shard_bytes = shard.size() * sizeof(float);
+  p.key = "layers/0";
+  EXPECT_EQ(shardckpt_state_add_param(state, &p), SHARDCKPT_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(shardckpt_last_error()).find("'layers/0' must be non-empty, contain no '/'"), std::string::npos)
+      << shardckpt_last_error();
+  p.key = "w";
+  EXPECT_EQ(shardckpt_state_add_param(state, &p), SHARDCKPT_OK);
+  EXPECT_EQ(shardckpt_state_add_int(state, "w", 1), SHARDCKPT_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(shardckpt_last_error()).find("key w appears twice"), std::string::npos) << shardckpt_last_error();
+  p.key = nullptr;
+  EXPECT_EQ(shardckpt_state_add_param(state, &p), SHARDCKPT_ERR_INVALID_ARGUMENT);
+  EXPECT_STREQ(shardckpt_last_error(), "a parameter's key is NULL");
+  shardckpt_state_free(state);
+}
+
+TEST_F(CApi, AKeyTheCheckpointLacksIsMissing) {
+  const std::string file = save(2, 16);
+  std::vector<Rank> ranks = ranks_at(1, 0, false);
+  std::vector<float> other(8);
+  shardckpt_param p = weight(1, 0, 0);
+  const shardckpt_section plain[] = {{"", 2}};
+  p.key = "layers.0.norm.weight";
+  p.sections = plain;
+  p.section_count = 1;
+  p.shard = other.data();
+  p.shard_bytes = other.size() * sizeof(float);
+  ASSERT_EQ(shardckpt_state_add_param(ranks[0].state, &p), SHARDCKPT_OK) << shardckpt_last_error();
+  EXPECT_EQ(shardckpt_load_into(file.c_str(), ranks[0].state, nullptr), SHARDCKPT_ERR_MISSING_KEY);
+  EXPECT_NE(std::string(shardckpt_last_error()).find("layers.0.norm.weight"), std::string::npos)
+      << shardckpt_last_error();
+}
+
+TEST_F(CApi, LayoutErrorsNameTheNumbers) {
+  shardckpt_param p = weight(2, 2, 16);  // GTP rank 2 of 2
+  EXPECT_NE(shardckpt_shard_rows(&p, nullptr, nullptr), SHARDCKPT_OK);
+  EXPECT_NE(std::string(shardckpt_last_error()).find("2"), std::string::npos);
+  p = weight(4, 0, 0);  // 30 rows do not divide by 4 without alignment
+  EXPECT_EQ(shardckpt_shard_rows(&p, nullptr, nullptr), SHARDCKPT_ERR_LAYOUT);
+  EXPECT_NE(std::string(shardckpt_last_error()).find("30"), std::string::npos) << shardckpt_last_error();
+  p = weight(1, 0, 0);
+  p.dtype = static_cast<shardckpt_dtype>(99);
+  EXPECT_EQ(shardckpt_shard_rows(&p, nullptr, nullptr), SHARDCKPT_ERR_INVALID_ARGUMENT);
+  EXPECT_STREQ(shardckpt_last_error(), "dtype 99 is not a shardckpt_dtype");
+}
+
+TEST_F(CApi, ValuesOfAnotherKindOrKeyAreRefused) {
+  const std::string file = save(1, 0);
+  std::vector<Rank> ranks = ranks_at(1, 0, false);
+  shardckpt_values* values = nullptr;
+  ASSERT_EQ(shardckpt_load_into(file.c_str(), ranks[0].state, &values), SHARDCKPT_OK) << shardckpt_last_error();
+  double d = 0;
+  EXPECT_EQ(shardckpt_values_double(values, "step", &d), SHARDCKPT_ERR_DTYPE_MISMATCH);
+  EXPECT_STREQ(shardckpt_last_error(), "common value step is an int, not a double");
+  std::int64_t i = 0;
+  EXPECT_EQ(shardckpt_values_int(values, "epoch", &i), SHARDCKPT_ERR_MISSING_KEY);
+  EXPECT_STREQ(shardckpt_last_error(), "no common value epoch in the checkpoint");
+  shardckpt_values_free(values);
+}
+
+TEST_F(CApi, FailuresOfTheFileAndOfArgumentsHaveCodes) {
+  std::vector<Rank> ranks = ranks_at(1, 0, true);
+  EXPECT_EQ(shardckpt_save(ranks[0].state, nullptr), SHARDCKPT_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(shardckpt_save(nullptr, path("x.h5").c_str()), SHARDCKPT_ERR_INVALID_ARGUMENT);
+  EXPECT_STREQ(shardckpt_last_error(), "shardckpt_save: state is NULL");
+  EXPECT_NE(shardckpt_load_into(path("absent.h5").c_str(), ranks[0].state, nullptr), SHARDCKPT_OK);
+  EXPECT_NE(std::string(shardckpt_last_error()).find("absent.h5"), std::string::npos) << shardckpt_last_error();
+  const std::string junk = path("junk.h5");
+  std::FILE* f = std::fopen(junk.c_str(), "w");
+  std::fputs("not a checkpoint", f);
+  std::fclose(f);
+  EXPECT_EQ(shardckpt_load_into(junk.c_str(), ranks[0].state, nullptr), SHARDCKPT_ERR_NOT_A_CHECKPOINT)
+      << shardckpt_last_error();
+  shardckpt_state* none[] = {ranks[0].state, nullptr};
+  EXPECT_EQ(shardckpt_save_ranks(none, 2, path("x.h5").c_str()), SHARDCKPT_ERR_INVALID_ARGUMENT);
+  EXPECT_STREQ(shardckpt_last_error(), "the state of rank 1 is NULL");
+}
+
+TEST_F(CApi, TheLastErrorBelongsToItsThread) {
+  EXPECT_EQ(shardckpt_state_add_int(nullptr, "k", 1), SHARDCKPT_ERR_INVALID_ARGUMENT);
+  std::thread([] {
+    EXPECT_EQ(shardckpt_last_errc(), SHARDCKPT_OK);
+    EXPECT_STREQ(shardckpt_last_error(), "");
+    EXPECT_EQ(shardckpt_state_add_string(nullptr, "k", "v"), SHARDCKPT_ERR_INVALID_ARGUMENT);
+  }).join();
+  EXPECT_STREQ(shardckpt_last_error(), "shardckpt_state_add_int: state is NULL");
+}
+
+TEST(CApiNames, CodesAndVersionHaveNames) {
+  EXPECT_STREQ(shardckpt_errc_name(SHARDCKPT_OK), "ok");
+  EXPECT_STREQ(shardckpt_errc_name(SHARDCKPT_ERR_MISSING_KEY), "missing_key");
+  EXPECT_STREQ(shardckpt_errc_name(SHARDCKPT_ERR_INTERNAL), "internal");
+  EXPECT_STREQ(shardckpt_errc_name(17), "unknown");
+  EXPECT_STREQ(shardckpt_errc_name(-1), "unknown");
+  EXPECT_GT(std::strlen(shardckpt_version()), 0u);
+}
+
+}  // namespace
