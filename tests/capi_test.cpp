@@ -239,6 +239,20 @@ TEST_F(CApi, LayoutErrorsNameTheNumbers) {
   EXPECT_STREQ(shardckpt_last_error(), "dtype 99 is not a shardckpt_dtype");
 }
 
+// Divisors are the library's: a TP that splits a head is refused with its one message, and a
+// checkpoint saved with them refuses such a load too.
+TEST_F(CApi, ATpThatSplitsAHeadIsRefusedWithTheOneMessage) {
+  const shardckpt_divisor heads[] = {{"heads", 6}};
+  shardckpt_param p = weight(1, 0, 0);
+  p.divisors = heads;
+  p.divisor_count = 1;
+  p.tp = 4;
+  EXPECT_EQ(shardckpt_shard_rows(&p, nullptr, nullptr), SHARDCKPT_ERR_LAYOUT);
+  EXPECT_STREQ(shardckpt_last_error(), "layers.0.in_proj.weight: heads (6) does not divide by TP 4");
+  p.divisors = nullptr;
+  EXPECT_EQ(shardckpt_shard_rows(&p, nullptr, nullptr), SHARDCKPT_ERR_INVALID_ARGUMENT);
+}
+
 TEST_F(CApi, ValuesOfAnotherKindOrKeyAreRefused) {
   const std::string file = save(1, 0);
   std::vector<Rank> ranks = ranks_at(1, 0, false);

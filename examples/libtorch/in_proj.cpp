@@ -66,12 +66,15 @@ shardckpt_dtype dtype_of(const torch::Tensor& t) {
 shardckpt_param in_proj_param(const Sections& s, std::int64_t gtp, std::int64_t rank, std::int64_t align,
                               const torch::Tensor& shard) {
   static const std::int64_t trailing[] = {hidden};
+  static const shardckpt_divisor divisors[] = {{"heads", heads}, {"groups", groups}};  // TP must divide them
   shardckpt_param p{};
   p.key = key;
   p.sections = s.list.data();
   p.section_count = s.list.size();
   p.trailing = trailing;
   p.trailing_count = 1;
+  p.divisors = divisors;
+  p.divisor_count = 2;
   p.tp_axis = SHARDCKPT_TP_ROWS;
   p.tp = 1;
   p.gtp = gtp;

@@ -68,6 +68,13 @@ typedef struct shardckpt_section {
   int64_t rows;
 } shardckpt_section;
 
+/* A global model size TP must divide (a fused layout's heads and groups): recorded in the checkpoint,
+ * so that a load at a TP that does not divide it is refused ("<key>: heads (8) does not divide by TP 3"). */
+typedef struct shardckpt_divisor {
+  const char* name;
+  int64_t count;
+} shardckpt_divisor;
+
 /* One GTP-sharded parameter as one rank holds it (SPEC.md, "Geometry"). `shard` is the rank's padded
  * shard, row-major, of shape (padded rows, trailing...) (shardckpt_shard_rows): real rows first,
  * zero pad rows at the tail; `shard_bytes` is the size of that buffer, checked against the layout. */
@@ -84,6 +91,8 @@ typedef struct shardckpt_param {
   shardckpt_dtype dtype;
   void* shard;
   size_t shard_bytes;
+  const shardckpt_divisor* divisors; /* may be NULL with divisor_count 0 (a plain weight) */
+  size_t divisor_count;
 } shardckpt_param;
 
 /* One rank's state dict: parameters (borrowing their shard memory) and common values. */

@@ -42,7 +42,10 @@ ShardedParam param_of(const shardckpt_param& c) {
           ": sections is NULL");
   require(c.trailing != nullptr || c.trailing_count == 0, Errc::invalid_argument, "parameter ", c.key,
           ": trailing is NULL");
-  ShardedParam p{.spec = {.key = c.key, .sections = {}, .trailing = {}, .tp_axis = tp_axis_of(c.tp_axis), .tp = c.tp},
+  require(c.divisors != nullptr || c.divisor_count == 0, Errc::invalid_argument, "parameter ", c.key,
+          ": divisors is NULL");
+  ShardedParam p{.spec = {.key = c.key, .sections = {}, .trailing = {}, .tp_axis = tp_axis_of(c.tp_axis), .tp = c.tp,
+                          .divisors = {}},
                  .gtp = c.gtp,
                  .align = c.align,
                  .coord = {.tp_rank = c.tp_rank, .gtp_rank = c.gtp_rank},
@@ -50,6 +53,8 @@ ShardedParam param_of(const shardckpt_param& c) {
   for (const shardckpt_section& s : std::span(c.sections, c.section_count))
     p.spec.sections.push_back({.name = s.name ? s.name : "", .rows = s.rows});
   p.spec.trailing.assign(c.trailing, c.trailing + c.trailing_count);
+  for (const shardckpt_divisor& d : std::span(c.divisors, c.divisor_count))
+    p.spec.divisors.push_back({.name = d.name ? d.name : "", .count = d.count});
   validate(p.spec);
   (void)plan_rank(p.spec, p.gtp, p.align, p.coord);  // rejects bad coordinates and geometry with their numbers
   return p;
