@@ -5,15 +5,16 @@
 # (C++17) program, and the tutorial with and without an installed copy. The programs run, and the
 # tool loads, verifies, reshards and inspects what they saved.
 # Usage: consumers_test.sh BUILD_DIR (a configured build of this repository)
-# Every build takes the lock SHARDCKPT_BUILD_LOCK (default /tmp/shardckpt-build.lock; empty: none),
-# so that test runs sharing a machine do not build at once.
+# With SHARDCKPT_BUILD_LOCK set (a lock file of your own), every build takes that lock, so that test
+# runs sharing a machine do not build at once; unset, builds take no lock (a name in a shared /tmp
+# is another user's to plant).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=$(cd "$1" && pwd)
 exe=$build/shardckpt
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-lock=${SHARDCKPT_BUILD_LOCK-/tmp/shardckpt-build.lock}
+lock=${SHARDCKPT_BUILD_LOCK-}
 locked() { if [ -n "$lock" ]; then flock "$lock" "$@"; else "$@"; fi; }
 export lock
 export -f locked  # for the checks that run through bash -c
