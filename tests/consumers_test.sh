@@ -32,6 +32,11 @@ check "the installed .pc maps every installed module to its installed BMI" bash 
   for m in \$(PKG_CONFIG_PATH='$pc' pkg-config --variable=modules shardckpt | tr ';' ' '); do
     bmi=\$(echo \" \$flags\" | grep -o \"=/[^ =]*/\$m.pcm\") && [ -f \"\${bmi#=}\" ] || { echo \"no BMI for \$m\"; exit 1; }
   done"
+# The Python package installed with it, where the prefix's /usr/bin/python3 looks (below the destdir).
+check "the installed Python package imports from where it was installed" bash -c "
+  site=\$(dirname \"\$(dirname \"\$(find '$work/dest' -path '*/shardckpt/__init__.py' | head -1)\")\") &&
+  PYTHONPATH=\$site LD_LIBRARY_PATH='$lib' /usr/bin/python3 -c 'import shardckpt, sys; print(shardckpt.__file__)' |
+    grep -q '^$work/dest/.*dist-packages/shardckpt/__init__.py\$'"
 check "the pkg-config consumer is dependency('shardckpt') and nothing else" bash -c \
   "grep -v '^#' '$root/examples/pkgconfig/meson.build' | grep -c . | grep -qx 2"
 check "configure the pkg-config consumer" locked env PKG_CONFIG_PATH="$pc" \
