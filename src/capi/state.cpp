@@ -7,6 +7,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <cstring>
 #include <type_traits>
 #include <utility>
 #include <variant>
@@ -16,14 +17,23 @@
 namespace shardckpt::capi {
 namespace {
 
-DType dtype_of(shardckpt_dtype dtype) {
-  const auto i = static_cast<int>(dtype);
+// A C enum's value as an int, read as its bytes: C may hold any int in it, which C++ may not load as
+// the enum (its range is its enumerators').
+template <class Enum>
+int raw_of(const Enum& e) {
+  std::underlying_type_t<Enum> raw;
+  static_assert(sizeof raw == sizeof e);
+  std::memcpy(&raw, &e, sizeof raw);
+  return static_cast<int>(raw);
+}
+
+DType dtype_of(int i) {
   require(i >= 0 && i < static_cast<int>(std::size(dtype_table)), Errc::invalid_argument, "dtype ", i,
           " is not a shardckpt_dtype");
   return static_cast<DType>(i);
 }
 
-TpAxis tp_axis_of(shardckpt_tp_axis axis) {
+TpAxis tp_axis_of(int axis) {
   switch (axis) {
     case SHARDCKPT_TP_ROWS:
       return TpAxis::rows;
@@ -32,7 +42,7 @@ TpAxis tp_axis_of(shardckpt_tp_axis axis) {
     case SHARDCKPT_TP_REPLICATED:
       return TpAxis::replicated;
   }
-  throw Error(Errc::invalid_argument, cat("tp_axis ", static_cast<int>(axis), " is not a shardckpt_tp_axis"));
+  throw Error(Errc::invalid_argument, cat("tp_axis ", axis, " is not a shardckpt_tp_axis"));
 }
 
 // The parameter a C description names, without its shard.
@@ -44,12 +54,12 @@ ShardedParam param_of(const shardckpt_param& c) {
           ": trailing is NULL");
   require(c.divisors != nullptr || c.divisor_count == 0, Errc::invalid_argument, "parameter ", c.key,
           ": divisors is NULL");
-  ShardedParam p{.spec = {.key = c.key, .sections = {}, .trailing = {}, .tp_axis = tp_axis_of(c.tp_axis), .tp = c.tp,
+  ShardedParam p{.spec = {.key = c.key, .sections = {}, .trailing = {}, .tp_axis = tp_axis_of(raw_of(c.tp_axis)), .tp = c.tp,
                           .divisors = {}},
                  .gtp = c.gtp,
                  .align = c.align,
                  .coord = {.tp_rank = c.tp_rank, .gtp_rank = c.gtp_rank},
-                 .dtype = dtype_of(c.dtype)};
+                 .dtype = dtype_of(raw_of(c.dtype))};
   for (const shardckpt_section& s : std::span(c.sections, c.section_count))
     p.spec.sections.push_back({.name = s.name ? s.name : "", .rows = s.rows});
   p.spec.trailing.assign(c.trailing, c.trailing + c.trailing_count);
