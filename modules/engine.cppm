@@ -104,6 +104,10 @@ class StagingPool {
   // The pool shares the ownership of its engine: the engine lives while the pool does.
   explicit StagingPool(std::shared_ptr<CopyEngine> engine, std::size_t buffer_bytes = default_buffer_bytes,
                        int buffers = 2);
+  // The buffers cut from `memory` (pinned memory of the engine's), as many of `buffer_bytes` as fit
+  // (at least one): one allocation that its owner also uses whole, when nothing streams through the
+  // pool (a Saver's budget for async saves).
+  StagingPool(std::shared_ptr<CopyEngine> engine, SharedBuffer memory, std::size_t buffer_bytes);
   StagingPool(const StagingPool&) = delete;
   StagingPool& operator=(const StagingPool&) = delete;
 
@@ -122,7 +126,8 @@ class StagingPool {
  private:
   std::shared_ptr<CopyEngine> engine_;
   std::size_t buffer_bytes_;
-  std::vector<SharedBuffer> buffers_;
+  std::vector<SharedBuffer> memory_;   // the allocations the buffers lie in
+  std::vector<MutTensorView> buffers_;
 };
 
 }  // namespace shardckpt
