@@ -74,6 +74,7 @@ Saved save_model(const DemoFlags& f, const demo::ModelConfig& config, const demo
     double blocking = 0;
     if (f.async) {
       AsyncSave pending = saver.save_async(rank.state, f.out);
+      pending.wait_staged();  // what a trainer waits for before its optimizer step
       blocking = seconds_since(t0);
       pending.wait();
     } else {
