@@ -204,7 +204,7 @@ Runner add_demo(CLI::App& app, Global& global) {
       ->check(CLI::Range(std::int64_t{0}, max_align));
   cmd->add_flag("--no-checksums", f->no_checksums, "save without checksums (loads then cannot check what they read)");
   cmd->add_flag("--phases", f->phases, "print each phase of the save on standard error as it begins");
-  cmd->add_flag("--async", f->async, "save in the background: return once the shards are staged in pinned memory");
+  cmd->add_flag("--async", f->async, "save in the background (Saver::save_async, then AsyncSave::wait_staged)");
   f->training.add(*cmd);
   f->device.add(*cmd);
   add_method(*cmd, f->method);
