@@ -95,8 +95,9 @@ class EmulatedDevice final : public CopyEngine {
   std::unique_ptr<Impl> impl_;
 };
 
-// A fixed number of pinned buffers of a fixed size, allocated once (when the pool is made) and reused
-// for every transfer: what staging device rows through the host costs, whatever the model's size.
+// A fixed number of pinned buffers of a fixed size, allocated once (when the pool is made, or cut from
+// memory given to it) and reused for every transfer: what staging device rows through the host
+// costs, whatever the model's size.
 class StagingPool {
  public:
   // Default: two buffers of 64 MiB, so that copying one overlaps with writing (or reading) the other.

@@ -283,6 +283,22 @@ TEST(LoadInPlace, AReadOnlyBorrowCannotBeLoadedInto) {
   EXPECT_EQ(error_of([&] { (void)load_into(dir / "a.h5", into); }).code(), Errc::invalid_argument);
 }
 
+// A pool cut from memory it is given allocates nothing: as many whole buffers as fit, in place.
+TEST(StagingPool, CutFromOneAllocationAllocatesNothing) {
+  const auto device = std::make_shared<EmulatedDevice>();
+  SharedBuffer memory = device->allocate_pinned(DType::u8, {2 * 4096 + 100});
+  const auto allocations = device->stats().pinned_allocations;
+  StagingPool pool(device, memory, 4096);
+  EXPECT_EQ(device->stats().pinned_allocations, allocations);
+  EXPECT_EQ(pool.buffers(), 2);
+  EXPECT_EQ(pool.bytes(), 8192u);
+  EXPECT_EQ(pool.buffer(1).data(), memory.mut_view().data() + 4096);
+  EXPECT_EQ(pool.buffer(0).space(), MemorySpace::pinned());
+  EXPECT_EQ(error_of([&] { StagingPool(device, memory, 1 << 20); }).code(), Errc::invalid_argument);
+  SharedBuffer on_device = device->allocate_device(DType::u8, {8192});
+  EXPECT_EQ(error_of([&] { StagingPool(device, on_device, 4096); }).code(), Errc::invalid_argument);
+}
+
 // A staging pool shares its engine: the engine lives while the pool does, whoever made it.
 TEST(StagingPool, KeepsItsEngineAlive) {
   std::weak_ptr<EmulatedDevice> seen;
