@@ -6,6 +6,7 @@
 //   reads.cpp    loads (allocating, in place, resharded, unchecked) against plain reads
 //   replicas.cpp data-parallel copies: write balance and read amplification
 //   device.cpp   shards in device memory (emulated or CUDA) through a copy engine
+//   bounded.cpp  async saves in bounded host memory, overlapped with a simulated step
 //   plan.cpp     planning at the seed's scale
 //   seed.cpp     the seed's geometry with narrow rows, saved and loaded by 512 thread ranks
 //   main.cpp     flags and the order of the phases
@@ -105,7 +106,8 @@ struct Options {
   std::string script;
   int dp = 4;                   // data-parallel copies of the replica phase (1: skip it)
   std::string device = "host";  // where the device phase's shards live (host: skip it)
-  std::string only;             // one phase alone (seed-geometry), for profiling it
+  std::string only;             // one phase alone (seed-geometry, async-bounded), for profiling it
+  int async_budget_mib = 128;   // the bounded-async phase's budget: the pool's 2 buffers of half of it
   demo::Layout save_layout{2, 4, 32, 1};
   demo::Layout load_layout{1, 8, 16, 1};
   // A 2,048-wide model with the usual 2x inner expansion (d_inner = heads * head_dim = 4,096).
@@ -174,8 +176,13 @@ void measure_reads(Run& run, Report& report);
 void measure_replicas(Run& run, Report& report);
 // Throws Errc::device when the device phase's engine cannot be made (before any other phase runs).
 void check_device(const std::string& device);
+// The engine of `device` (emulated or cuda) for rank `rank`.
+std::shared_ptr<CopyEngine> make_engine(const std::string& device, int rank);
 void measure_device(Run& run, Report& report);
 void measure_planning(Report& report);
+// Bounded async saves (bounded.cpp): one rank, shards where --device says, against its own
+// synchronous save and today's full staging.
+void measure_async_bounded(const Options& o, const fs::path& dir, Cache& cache, PeakMeter& meter, Report& report);
 
 // The seed's geometry (SPEC.md): 72 GDP layers, heads 512 x 128, groups 256, state 128, 4
 // Householder steps, TP 8 x GTP 64 (512 ranks), alignment 32; in_proj has 61,760 TP-local rows.

@@ -10,7 +10,6 @@ import shardckpt.cuda;
 #endif
 
 namespace bench {
-namespace {
 
 std::shared_ptr<CopyEngine> make_engine(const std::string& device, int rank) {
   if (device == "emulated") return std::make_shared<EmulatedDevice>(0);
@@ -22,6 +21,8 @@ std::shared_ptr<CopyEngine> make_engine(const std::string& device, int rank) {
   throw Error(Errc::device, "--device cuda: this build has no CUDA support");
 #endif
 }
+
+namespace {
 
 // The engine's copy rate between device memory and pinned memory, one copy of `bytes` (median of 3).
 std::pair<double, double> peak_copy_gbps(CopyEngine& engine, std::int64_t bytes) {

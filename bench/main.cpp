@@ -33,7 +33,10 @@ void add_flags(CLI::App& app, Options& o, bool& h5py_on, bool& h5py_off, bool& n
   app.add_option("--dp", o.dp, "data-parallel copies of the replica phase (1: skip it)")->capture_default_str()->check(CLI::Range(1, 64));
   app.add_option("--device", o.device, "where the device phase's shards live (host: skip it)")
       ->capture_default_str()->check(CLI::IsMember({"host", "emulated", "cuda"}));
-  app.add_option("--only", o.only, "run one phase alone")->check(CLI::IsMember({"seed-geometry"}));
+  app.add_option("--only", o.only, "run one phase alone")->check(CLI::IsMember({"seed-geometry", "async-bounded"}));
+  app.add_option("--async-budget-mib", o.async_budget_mib,
+                 "the bounded-async phase's host budget (its pool: 2 buffers of half of it; 128: the default)")
+      ->capture_default_str()->check(CLI::Range(1, 1 << 16));
   app.add_option("--seed-phase", o.seed_phase)->check(CLI::IsMember({"save", "load"}))->group("");  // internal
   app.add_option("--tp", o.save_layout.tp, "TP of the save")->capture_default_str()->check(positive);
   app.add_option("--gtp", o.save_layout.gtp, "GTP of the save")->capture_default_str()->check(positive);
@@ -96,14 +99,21 @@ int run(const Options& o) {
   if (!o.seed_phase.empty()) return run_seed_phase(o.seed_phase, o.dir);
   check_device(o.device);
   const Directory dir(o);
-  if (o.only == "seed-geometry") {
+  if (!o.only.empty()) {
     Report report;
-    measure_seed_geometry(dir.path, report);
+    if (o.only == "seed-geometry") {
+      measure_seed_geometry(dir.path, report);
+    } else {
+      Cache cache(dir.path);
+      PeakMeter meter;
+      measure_async_bounded(o, dir.path, cache, meter, report);
+    }
     if (o.json_out)
       std::cout << report.to_json().dump() << "\n";
     else
       report.print_table();
-    return report.to_json().value("seed_geometry_mismatches", 0.0) > 0 ? 1 : 0;
+    const json j = report.to_json();
+    return j.value("seed_geometry_mismatches", 0.0) + j.value("async_bounded_mismatches", 0.0) > 0 ? 1 : 0;
   }
   Run run(o, dir.path);
   Report report;
@@ -112,6 +122,8 @@ int run(const Options& o) {
   measure_reads(run, report);
   measure_replicas(run, report);
   measure_device(run, report);
+  run.progress("async saves in bounded host memory");
+  measure_async_bounded(o, run.dir, run.cache, run.meter, report);
   run.progress("planning at the seed's scale");
   measure_planning(report);
   run.progress("the seed's geometry with narrow rows at 512 thread ranks");
@@ -125,7 +137,8 @@ int run(const Options& o) {
     std::printf("  targets: %s\n", report.targets_met() ? "all met" : "NOT all met");
   }
   const double mismatches = j.value("mismatches", 0.0) + j.value("replica_mismatches", 0.0) +
-                            j.value("device_mismatches", 0.0) + j.value("seed_geometry_mismatches", 0.0);
+                            j.value("device_mismatches", 0.0) + j.value("seed_geometry_mismatches", 0.0) +
+                            j.value("async_bounded_mismatches", 0.0);
   if (mismatches > 0) std::cerr << "shardckpt-bench: loaded values differ from the pattern\n";
   return mismatches > 0 ? 1 : 0;
 }

@@ -201,8 +201,16 @@ std::optional<double> h5py_write(const Run& run, const fs::path& out, std::strin
 
 void measure_writes(Run& run, Report& report) {
   const bool h5py = run.o.h5py.value_or(python_has_h5py(run.o.python));
+  // Savers whose budget holds their rank's bytes (each piece rounded to 64): async saves staged
+  // whole, as before budgets (bounded.cpp measures the bounded ones).
   std::vector<std::unique_ptr<Saver>> savers(run.models.size());
-  run_ranks(run.sl().ranks(), [&](ProcessGroup& g) { savers[static_cast<std::size_t>(g.rank())] = std::make_unique<Saver>(g); });
+  run_ranks(run.sl().ranks(), [&](ProcessGroup& g) {
+    const auto me = static_cast<std::size_t>(g.rank());
+    std::size_t whole = 0;
+    for (const SaveItem& i : run.plans[me].items)
+      if (i.writes) whole += i.data.bytes() + 64;
+    savers[me] = std::make_unique<Saver>(g, SaverOptions{.async_host_bytes = whole});
+  });
   std::vector<HostBuffer> copies = memcpy_targets(run);
   Writes w;
   for (int rep = 0; rep < run.o.repeat; ++rep) {

@@ -37,6 +37,7 @@ enum class Errc : std::uint8_t {
   collective,                 // another rank failed, or the process group broke
   device,                     // a device or its runtime failed, or there is none (CUDA)
   resources,                  // not enough memory, file descriptors or threads for what was asked
+  shard_changed,              // a shard changed while an async save still read it (check_unchanged)
   internal,                   // anything else, carried across ranks as text
 };
 

@@ -7,7 +7,7 @@
 // every rank succeeded: every rank returns the same outcome. load() opens the checkpoint once per
 // rank and makes every rank agree on it before anything is read; data-parallel copies of a shard
 // read it once between them and hand each other the rows. A Saver keeps what repeated saves need
-// (a pool of pinned buffers for device shards, the memory of an async save, a private group).
+// (the bounded host memory of async saves, a pool of pinned buffers cut from it, a private group).
 // It never moves tensor rows through a gather and never reads or writes a file itself: rows go
 // from each rank's memory to its own part of the file through shardckpt.storage.
 module;
@@ -80,14 +80,21 @@ LoadedState load(const CheckpointReader& reader, const StateDict& request, Proce
 // when `thread_safe` is false; every collective save and load checks it first.
 void require_thread_safe_hdf5(const ProcessGroup& group, bool thread_safe = hdf5_thread_safe());
 
-// A save that returns once its bytes are staged (Saver::save_async): wait() returns the collective
-// outcome, the same on every rank, or throws it.
+// A save in the background (Saver::save_async), with two points in its life: staged (every byte this
+// rank saves has left its shards, so the caller may change them) and done (committed on every rank,
+// or failed on every rank). Any thread may wait for either.
 class AsyncSave {
  public:
   AsyncSave() = default;
   AsyncSave(AsyncSave&&) noexcept;
   AsyncSave& operator=(AsyncSave&&) noexcept;
   ~AsyncSave();
+  // Returns once every byte this rank saves has left its shards (copied into the saver's budget, or
+  // written to the file), or once the save has ended: from then on the shards may change (a trainer
+  // calls it just before its optimizer step). It reports no error; wait() does.
+  void wait_staged();
+  bool staged() const;
+  // Returns once the save has ended, with its collective outcome (the same on every rank), or throws it.
   void wait();
   bool done() const;
 
@@ -102,19 +109,26 @@ class AsyncSave {
 struct SaverOptions {
   // The engine of the device the shards live on; none for host memory only.
   std::shared_ptr<CopyEngine> engine = nullptr;
+  // The pool of pinned buffers device rows stream through (staging_buffers of staging_buffer_bytes).
   std::size_t staging_buffer_bytes = StagingPool::default_buffer_bytes;
   int staging_buffers = 2;
-  // The memory async saves stage into; 0: as much as the first async save needs. It never grows:
-  // a later save that needs more fails.
-  std::size_t async_staging_bytes = 0;
+  // The host memory async saves may use: pinned memory of the engine's (locked host memory without
+  // one), allocated once and never grown; 0 (or anything below the pool): the pool's size. The pool's
+  // buffers are cut from it, as many as fit. A rank whose bytes fit it (each piece rounded up to 64
+  // bytes) is staged whole before save_async returns; a larger one streams through it afterwards.
+  std::size_t async_host_bytes = 0;
+  // A debug check: save_async hashes every row each piece saves, and every row is hashed again as it
+  // is staged; a row that differs fails the save with Errc::shard_changed naming the key and rows.
+  // It costs save_async one read of every byte (device rows through the pool) and 8 bytes a row.
+  bool check_unchanged = false;
   SaveOptions save = {};
 };
 
 // Repeated saves of one rank (collective to make: every rank of the group makes one). It holds,
-// allocated once and reused: a pool of pinned buffers through which device shards stream to the
-// file (copying the next buffer while the current one is written), the pinned memory async saves
-// stage into (sized by the first, never grown), and a private copy of the group, so that a save in
-// the background never mixes its messages with the caller's collectives.
+// allocated once and reused: the budget of async saves, a pool of pinned buffers cut from it through
+// which device shards stream to the file (copying the next buffer while the current one is written),
+// and a private copy of the group, so that a save in the background never mixes its messages with
+// the caller's collectives. One save at a time: a save first waits for the one in flight to end.
 class Saver {
  public:
   Saver(ProcessGroup& group, SaverOptions options = {});
@@ -123,11 +137,19 @@ class Saver {
   ~Saver();
 
   void save(const StateDict& state, const std::filesystem::path& path);
-  // Returns as soon as every byte this rank saves is in pinned host memory: the caller may then
-  // change its shards and train on. Writing, syncing and the commit continue in the background.
-  // One save in flight at a time (Errc::invalid_argument otherwise).
+  // Plans this rank's pieces (no collective) and returns. When this rank's bytes fit the budget they
+  // are staged before it returns (the AsyncSave is staged at once); otherwise it returns before any
+  // byte is copied, and they stream from the shards through the budget to the file in the background:
+  // the caller must not change its shards until AsyncSave::wait_staged() returns. Planning with the
+  // other ranks, writing, syncing and the commit run in the background, on the saver's group. The
+  // saver keeps the state dict's shards alive until the save has read them (a borrowed shard must be
+  // kept alive by its owner until then). Errors of this rank's planning are the save's collective
+  // error (AsyncSave::wait).
   AsyncSave save_async(const StateDict& state, const std::filesystem::path& path);
-  // Pinned memory this saver holds: the pool and the async staging.
+  // The budget of async saves: SaverOptions::async_host_bytes, never less than the pool.
+  std::size_t async_host_bytes() const;
+  // Pinned memory this saver holds: its budget, allocated when the saver is made when it has an
+  // engine (the pool lies in it), else by the first async save staged whole.
   std::size_t staging_bytes() const;
 
  private:
@@ -138,8 +160,9 @@ class Saver {
 }  // namespace shardckpt
 
 // For the units of this module, not exported: a save of the plan that `make_plan` returns on each
-// rank (called once, in the planning phase, so that its errors are the save's collective errors).
+// rank (called once, in the planning phase, so that its errors are the save's collective errors);
+// `staged` is told as the rows of the plan's items leave the memory they view.
 namespace shardckpt {
 void save_with(const std::function<SavePlan()>& make_plan, const std::filesystem::path& path, ProcessGroup& group,
-               const SaveOptions& options);
+               const SaveOptions& options, const RowsStaged& staged = {});
 }  // namespace shardckpt

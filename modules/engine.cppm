@@ -95,8 +95,9 @@ class EmulatedDevice final : public CopyEngine {
   std::unique_ptr<Impl> impl_;
 };
 
-// A fixed number of pinned buffers of a fixed size, allocated once (when the pool is made) and reused
-// for every transfer: what staging device rows through the host costs, whatever the model's size.
+// A fixed number of pinned buffers of a fixed size, allocated once (when the pool is made, or cut from
+// memory given to it) and reused for every transfer: what staging device rows through the host
+// costs, whatever the model's size.
 class StagingPool {
  public:
   // Default: two buffers of 64 MiB, so that copying one overlaps with writing (or reading) the other.
@@ -104,6 +105,10 @@ class StagingPool {
   // The pool shares the ownership of its engine: the engine lives while the pool does.
   explicit StagingPool(std::shared_ptr<CopyEngine> engine, std::size_t buffer_bytes = default_buffer_bytes,
                        int buffers = 2);
+  // The buffers cut from `memory` (pinned memory of the engine's), as many of `buffer_bytes` as fit
+  // (at least one): one allocation that its owner also uses whole, when nothing streams through the
+  // pool (a Saver's budget for async saves).
+  StagingPool(std::shared_ptr<CopyEngine> engine, SharedBuffer memory, std::size_t buffer_bytes);
   StagingPool(const StagingPool&) = delete;
   StagingPool& operator=(const StagingPool&) = delete;
 
@@ -122,7 +127,8 @@ class StagingPool {
  private:
   std::shared_ptr<CopyEngine> engine_;
   std::size_t buffer_bytes_;
-  std::vector<SharedBuffer> buffers_;
+  std::vector<SharedBuffer> memory_;   // the allocations the buffers lie in
+  std::vector<MutTensorView> buffers_;
 };
 
 }  // namespace shardckpt

@@ -53,10 +53,15 @@ struct SavePlan {
 SavePlan prepare_save(const StateDict& state);
 // The claims of one rank, for validate_claims.
 std::vector<Claim> claims_of(const SavePlan& plan, int rank);
+// Told, as rows of item `item` of a plan leave the memory the item views (copied into a staging
+// buffer, or written from host memory), which rows they are: `rows` holds rows [first_row,
+// first_row + rows.rows()) of the item as they were read, in host memory. Device rows are told once
+// their copy has landed and before they are written; host rows once written. Items in plan order.
+using RowsStaged = std::function<void(std::size_t item, std::int64_t first_row, TensorView rows)>;
 // Writes this rank's items, in order, into a skeleton whose datasets are `datasets`. Items in device
 // memory go through `staging`: while one buffer's rows are written, the engine copies the next.
 void write_items(const SavePlan& plan, std::span<const Dataset> datasets, PieceWriter& writer,
-                 const std::shared_ptr<StagingPool>& staging = nullptr);
+                 const std::shared_ptr<StagingPool>& staging = nullptr, const RowsStaged& staged = {});
 
 struct LoadOptions {
   IoMethod method = IoMethod::raw;

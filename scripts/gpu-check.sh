@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The checks that need an NVIDIA GPU (docs/performance.md, "On a GPU"), in one run of under 8
-# minutes: the CUDA engine's tests, device shards saved and loaded in place over an NCCL group of
-# min(GPUs, 4) ranks (one rank per GPU: NCCL does not support two ranks on one device), compute-
-# sanitizer's memcheck over the CUDA tests where it is installed, the demo with CUDA shards (async
-# save, Adam state of a distributed optimizer, reload at another layout), and the bench's device
-# figures. Everything is also written to $OUT/gpu-check.log, and the bench's JSON to
-# $OUT/bench-cuda.json, when OUT is set. Exits 77 without a GPU, 1 when a check fails or is cut short.
+# minutes: the CUDA engine's tests (the bounded async path among them), device shards saved and
+# loaded in place over an NCCL group of min(GPUs, 4) ranks (one rank per GPU: NCCL does not support
+# two ranks on one device), compute-sanitizer's memcheck over the CUDA tests where it is installed,
+# the demo with CUDA shards (async save, Adam state of a distributed optimizer, reload at another
+# layout), torch CUDA tensors through DLPack saved in the background through a bounded budget (where
+# the Python package builds and torch has CUDA), and the bench's device figures and bounded async
+# saves from CUDA memory. Everything is also written to $OUT/gpu-check.log, and the bench's JSON to
+# $OUT/bench-cuda.json and $OUT/bench-async-bounded.json, when OUT is set. Exits 77 without a GPU,
+# 1 when a check fails or is cut short.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 log=${OUT:+$OUT/gpu-check.log}
@@ -45,6 +48,11 @@ fi
 targets=(shardckpt:executable shardckpt-bench tests/cuda_test)
 nccl=0
 grep -q 'tests/nccl_test:' build-gpu/build.ninja && nccl=1 && targets+=(tests/nccl_test)
+# The Python extension, when the build has it (its target's name carries the interpreter's suffix).
+core=$(meson introspect build-gpu --targets 2>/dev/null | /usr/bin/python3 -c \
+  'import json, sys; print(next((t["name"] for t in json.load(sys.stdin) if t["name"].startswith("_core.")), ""))' \
+  2>/dev/null)
+[ -n "$core" ] && targets+=("$core")
 run "build" 300 meson compile -C build-gpu "${targets[@]}"
 [ "$failed" -eq 0 ] || { say "gpu-check: FAILED (the build)"; exit 1; }
 
@@ -67,6 +75,19 @@ run "demo with CUDA shards" 90 build-gpu/shardckpt demo --out "$dir/demo.h5" --d
   --distributed-optimizer --tp 2 --gtp 2 --align 16 --dp 2 --load-tp 1 --load-dp 4
 run "load into CUDA shards" 60 build-gpu/shardckpt load "$dir/demo.h5" --tp 2 --gtp 1 --dp 2 --distributed-optimizer \
   --device cuda --verify
+if [ -z "$core" ]; then
+  say "== torch CUDA tensors: the Python package does not build here, skipped"
+elif ! /usr/bin/python3 -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  say "== torch CUDA tensors: /usr/bin/python3 has no torch with CUDA, skipped"
+else
+  mkdir -p "$dir/py/shardckpt"
+  cp python/shardckpt/*.py build-gpu/python/shardckpt/_core.*.so "$dir/py/shardckpt/"
+  run "torch CUDA tensors through DLPack: a bounded async save, a load in place" 90 \
+    bash -c 'cd tests/python && PYTHONPATH="$0" /usr/bin/python3 -m unittest -v test_cuda' "$dir/py"
+fi
+bounded=${OUT:+$OUT/bench-async-bounded.json}
+run "bench, bounded async saves from CUDA memory" 150 bash -c 'set -o pipefail; build-gpu/shardckpt-bench "$@" | tee "$0"' \
+  "${bounded:-/dev/null}" --only async-bounded --device cuda --size-mib 1024 --repeat 3 --json --dir "$dir"
 json=${OUT:+$OUT/bench-cuda.json}
 run "bench, device figures" 240 bash -c 'set -o pipefail; build-gpu/shardckpt-bench "$@" | tee "$0"' "${json:-/dev/null}" --device cuda \
   --size-mib 1024 --repeat 3 --read-repeat 3 --dp 1 --no-h5py --json --dir "$dir"

@@ -59,6 +59,8 @@ std::string_view errc_name(Errc code) noexcept {
       return "collective";
     case Errc::resources:
       return "resources";
+    case Errc::shard_changed:
+      return "shard_changed";
     case Errc::internal:
       return "internal";
   }

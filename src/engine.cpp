@@ -233,8 +233,23 @@ StagingPool::StagingPool(std::shared_ptr<CopyEngine> engine, std::size_t buffer_
   require(engine_ != nullptr, Errc::invalid_argument, "a staging pool needs a copy engine");
   require(buffer_bytes > 0 && buffers >= 1, Errc::invalid_argument, "a staging pool needs at least one buffer of ",
           "at least one byte (got ", buffers, " of ", buffer_bytes, ")");
-  for (int i = 0; i < buffers; ++i)
-    buffers_.push_back(engine_->allocate_pinned(DType::u8, {static_cast<std::int64_t>(buffer_bytes)}));
+  for (int i = 0; i < buffers; ++i) {
+    memory_.push_back(engine_->allocate_pinned(DType::u8, {static_cast<std::int64_t>(buffer_bytes)}));
+    buffers_.push_back(memory_.back().mut_view());
+  }
+}
+
+StagingPool::StagingPool(std::shared_ptr<CopyEngine> engine, SharedBuffer memory, std::size_t buffer_bytes)
+    : engine_(std::move(engine)), buffer_bytes_(buffer_bytes) {
+  require(engine_ != nullptr, Errc::invalid_argument, "a staging pool needs a copy engine");
+  require(memory.space().host_accessible() && buffer_bytes > 0 && memory.bytes() >= buffer_bytes,
+          Errc::invalid_argument, "a staging pool over ", memory.bytes(), " bytes of ",
+          memory_space_text(memory.space()), " memory cannot hold a buffer of ", buffer_bytes, " bytes");
+  std::byte* base = memory.mut_view().data();
+  for (std::size_t at = 0; at + buffer_bytes <= memory.bytes(); at += buffer_bytes)
+    buffers_.push_back(MutTensorView::unchecked(base + at, DType::u8, {static_cast<std::int64_t>(buffer_bytes)},
+                                                MemorySpace::pinned()));
+  memory_.push_back(std::move(memory));
 }
 
 std::int64_t StagingPool::rows_per_buffer(TensorView like) const {
@@ -246,13 +261,13 @@ std::int64_t StagingPool::rows_per_buffer(TensorView like) const {
 
 MutTensorView StagingPool::buffer(int i) {
   require(i >= 0 && i < buffers(), Errc::invalid_argument, "staging buffer ", i, " of ", buffers());
-  return buffers_[static_cast<std::size_t>(i)].mut_view();
+  return buffers_[static_cast<std::size_t>(i)];
 }
 
 MutTensorView StagingPool::rows_of(int i, TensorView like, std::int64_t rows) {
   require(i >= 0 && i < buffers() && rows >= 0 && rows <= rows_per_buffer(like), Errc::invalid_argument, rows,
           " rows do not fit staging buffer ", i);
-  return MutTensorView::unchecked(buffers_[static_cast<std::size_t>(i)].mut_view().data(), like.dtype(),
+  return MutTensorView::unchecked(buffers_[static_cast<std::size_t>(i)].data(), like.dtype(),
                                like.shape().with_rows(rows), MemorySpace::pinned());
 }
 

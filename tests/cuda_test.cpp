@@ -1,13 +1,16 @@
 // The CUDA copy engine on a real device: copies and zero fills in stream order, device shards saved
 // through a Saver's pinned pool (no device memory allocated by ten saves), loaded in place, saved in
-// the background while the caller overwrites them. Without a CUDA device every test skips, and the
+// the background while the caller overwrites them (staged whole, and streamed through a bounded budget
+// after the trainer's stream). Without a CUDA device every test skips, and the
 // suite exits 77 (skipped).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -103,6 +106,45 @@ TEST(Cuda, AsyncSaveFromTheDeviceKeepsTheWeightsAsTheyWere) {
     const Values values = load_into(dir / "a.h5", model, g);
     EXPECT_EQ(demo::verify(c, {}, g.rank(), model, values).mismatches, 0);
   });
+}
+
+// The bounded path on a GPU: the trainer's stream writes the weights, the engine follows it, and
+// save_async returns before a byte is copied; the weights stream through a budget of 2 x 64 KiB
+// while the trainer's stream runs on, and the optimizer step after wait_staged() is not saved.
+TEST(Cuda, BoundedAsyncSaveFollowsTheTrainersStreamAndStreamsThroughTheBudget) {
+  REQUIRE_GPU();
+  testing_support::ScratchDir dir;
+  const auto c = tiny_model();
+  const demo::Layout l{1, 2, 8, 1};
+  run_ranks(2, [&](ProcessGroup& g) {
+    const auto engine = std::make_shared<CudaEngine>(0);
+    demo::RankModel m = demo::build_rank(c, l, g.rank(), {.adam = true}, {MemoryKind::device, engine});
+    cudaStream_t trainer = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&trainer, cudaStreamNonBlocking), cudaSuccess);
+    Saver saver(g, {.engine = engine, .staging_buffer_bytes = 4 << 10, .check_unchanged = true});
+    ASSERT_GT(static_cast<std::size_t>(m.shard_bytes), saver.async_host_bytes());
+    const auto fill = [&](int byte) {
+      for (ShardedParam& p : m.state.params())
+        if (!p.shard.view().empty())
+          ASSERT_EQ(cudaMemsetAsync(p.shard.mut_view().data(), byte, p.shard.view().bytes(), trainer), cudaSuccess);
+    };
+    fill(0x3f);  // the step's weights, still being written on the trainer's stream
+    engine->follow(trainer);
+    AsyncSave pending = saver.save_async(m.state, dir / "a.h5");
+    pending.wait_staged();
+    fill(0);  // the optimizer step, after the save has read the weights
+    pending.wait();
+    ASSERT_EQ(cudaStreamSynchronize(trainer), cudaSuccess);
+    cudaStreamDestroy(trainer);
+    EXPECT_EQ(saver.staging_bytes(), std::size_t{8} << 10);
+  });
+  const CheckpointReader reader(dir / "a.h5");
+  for (const Dataset& d : reader.datasets()) {
+    HostBuffer back = HostBuffer::zeros(d.dtype, Extents(std::span<const std::int64_t>(d.shape)));
+    reader.read(d, whole_box(d.shape), back.mut_view());
+    const auto* bytes = back.view().data();
+    EXPECT_TRUE(std::all_of(bytes, bytes + back.bytes(), [](std::byte b) { return b == std::byte{0x3f}; })) << d.key;
+  }
 }
 
 int main(int argc, char** argv) {

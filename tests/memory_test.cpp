@@ -1,7 +1,7 @@
 // Tests for memory the library does not own or cannot touch: the emulated device (whose memory the
 // host cannot read: any access outside its copy engine crashes), the pinned staging pool and its
-// overlap of copies with writes, saves that allocate no device memory, loads in place that allocate
-// nothing, and async saves that return once their bytes are staged.
+// overlap of copies with writes, saves that allocate no device memory, and loads in place that
+// allocate nothing. Async saves are in async_test.cpp.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -20,18 +20,19 @@
 
 #include "test_support.hpp"
 #include "test_model.hpp"
+#include "recording_engine.hpp"
 import shardckpt;
 import shardckpt.demo;
 
 using namespace shardckpt;
+using testing_support::host_mismatches;
+using testing_support::Recording;
 using testing_support::tiny_model;
 using testing_support::error_of;
 using testing_support::file_bytes;
 using testing_support::ScratchDir;
 
 namespace {
-
-
 
 // Host memory seen through a CopyEngine: copies it out and in (tests only).
 std::vector<float> read_device(CopyEngine& engine, TensorView device) {
@@ -40,62 +41,6 @@ std::vector<float> read_device(CopyEngine& engine, TensorView device) {
   engine.wait(engine.fence());
   return out;
 }
-
-// Mismatches against the demo pattern after loading `path` at `l` into host memory.
-std::int64_t host_mismatches(const demo::ModelConfig& c, const demo::Layout& l, const std::filesystem::path& path,
-                             const demo::Training& t = {}) {
-  std::atomic<std::int64_t> bad{0};
-  run_ranks(l.ranks(), [&](ProcessGroup& g) {
-    StateDict model = demo::with_destinations(demo::request(c, l, g.rank(), t));
-    const Values values = load_into(path, model, g);
-    const demo::Verification v = demo::verify(c, t, g.rank(), model, values);
-    EXPECT_EQ(v.mismatches, 0) << v.first_mismatch;
-    EXPECT_GT(v.values, 0);
-    bad += v.mismatches;
-  });
-  return bad.load();
-}
-
-// A CopyEngine that records the order of its calls and forwards them.
-class Recording final : public CopyEngine {
- public:
-  explicit Recording(CopyEngine& inner) : inner_(inner) {}
-  std::string_view name() const noexcept override { return "recording"; }
-  MemorySpace device() const noexcept override { return inner_.device(); }
-  SharedBuffer allocate_pinned(DType dtype, Extents shape) override { return inner_.allocate_pinned(dtype, shape); }
-  SharedBuffer allocate_device(DType dtype, Extents shape) override { return inner_.allocate_device(dtype, shape); }
-  void copy_to_host(TensorView src, MutTensorView dst) override {
-    log("to_host");
-    inner_.copy_to_host(src, dst);
-  }
-  void copy_to_device(TensorView src, MutTensorView dst) override {
-    log("to_device");
-    inner_.copy_to_device(src, dst);
-  }
-  void zero(MutTensorView dst) override {
-    log("zero");
-    inner_.zero(dst);
-  }
-  Fence fence() override { return inner_.fence(); }
-  void wait(Fence f) override {
-    log("wait");
-    inner_.wait(f);
-  }
-  EngineStats stats() const override { return inner_.stats(); }
-  std::vector<std::string> calls() {
-    const std::lock_guard lock(mutex_);
-    return calls_;
-  }
-
- private:
-  void log(std::string call) {
-    const std::lock_guard lock(mutex_);
-    calls_.push_back(std::move(call));
-  }
-  CopyEngine& inner_;
-  std::mutex mutex_;
-  std::vector<std::string> calls_;
-};
 
 }  // namespace
 
@@ -338,106 +283,20 @@ TEST(LoadInPlace, AReadOnlyBorrowCannotBeLoadedInto) {
   EXPECT_EQ(error_of([&] { (void)load_into(dir / "a.h5", into); }).code(), Errc::invalid_argument);
 }
 
-// The caller changes its weights as soon as save_async returns: the checkpoint holds the weights as
-// they were when it was called.
-TEST(AsyncSave, ReturnsOnceStagedAndSavesTheWeightsAsTheyWere) {
-  ScratchDir dir;
-  const auto c = tiny_model();
-  const demo::Layout l{2, 2, 8, 1};
-  for (const bool on_device : {false, true}) {
-    run_ranks(l.ranks(), [&](ProcessGroup& g) {
-      const auto device = std::make_shared<EmulatedDevice>();
-      const demo::ShardMemory where = on_device ? demo::ShardMemory{MemoryKind::device, device} : demo::ShardMemory{};
-      demo::RankModel m = demo::build_rank(c, l, g.rank(), {}, where);
-      Saver saver(g, {.engine = on_device ? device : nullptr});
-      AsyncSave pending = saver.save_async(m.state, dir / "a.h5");
-      // Train on: every shard is overwritten while the save is in flight.
-      for (ShardedParam& p : m.state.params()) {
-        if (on_device) {
-          device->zero(p.shard.mut_view());
-        } else if (!p.shard.view().empty()) {
-          std::memset(p.shard.mut_view().data(), 0x7f, p.shard.view().bytes());
-        }
-      }
-      device->wait(device->fence());
-      pending.wait();
-      EXPECT_TRUE(pending.done());
-      EXPECT_GT(saver.staging_bytes(), 0u);
-    });
-    EXPECT_EQ(host_mismatches(c, {1, 4, 4, 1}, dir / "a.h5"), 0) << (on_device ? "device" : "host");
-  }
-}
-
-TEST(AsyncSave, StagingIsSizedOnceAndNeverGrows) {
-  ScratchDir dir;
-  const auto c = tiny_model();
-  const demo::Layout l{1, 2, 0, 1};
-  std::vector<std::string> messages(2);
-  run_ranks(l.ranks(), [&](ProcessGroup& g) {
-    demo::RankModel m = demo::build_rank(c, l, g.rank());
-    Saver saver(g);
-    saver.save_async(m.state, dir / "a.h5").wait();
-    const std::size_t staged = saver.staging_bytes();
-    g.barrier();
-    const BufferStats before = buffer_stats();
-    for (int i = 0; i < 3; ++i) saver.save_async(m.state, dir / "a.h5").wait();
-    EXPECT_EQ(saver.staging_bytes(), staged);
-    g.barrier();
-    const BufferStats after = buffer_stats();  // no rank allocates between the barriers
-    g.barrier();
-    EXPECT_EQ(after.allocations, before.allocations);
-    // A bigger state (with Adam's state) does not fit: every rank learns it from the save.
-    const std::string earlier = file_bytes(dir / "a.h5");
-    demo::RankModel bigger = demo::build_rank(c, l, g.rank(), {.adam = true});
-    AsyncSave pending = saver.save_async(bigger.state, dir / "a.h5");
-    const Error e = error_of([&] { pending.wait(); });
-    EXPECT_EQ(e.code(), Errc::invalid_argument);
-    messages[static_cast<std::size_t>(g.rank())] = e.what();
-    g.barrier();
-    EXPECT_TRUE(file_bytes(dir / "a.h5") == earlier);
-  });
-  for (const std::string& m : messages) EXPECT_NE(m.find("does not fit the staging memory"), std::string::npos) << m;
-}
-
-TEST(AsyncSave, AFailureInTheBackgroundIsEveryRanksOutcomeAndCommitsNothing) {
-  ScratchDir dir;
-  const auto c = tiny_model();
-  const demo::Layout l{1, 2, 0, 1};
-  std::atomic<int> failed{0};
-  run_ranks(l.ranks(), [&](ProcessGroup& g) {
-    demo::RankModel m = demo::build_rank(c, l, g.rank());
-    Saver saver(g);
-    AsyncSave pending = saver.save_async(m.state, dir / "missing" / "a.h5");
-    try {
-      pending.wait();
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), Errc::io) << e.what();
-      ++failed;
-    }
-    // The outcome stays: waiting again says the same.
-    EXPECT_THROW(pending.wait(), Error);
-  });
-  EXPECT_EQ(failed.load(), 2);
-  EXPECT_FALSE(std::filesystem::exists(dir / "missing"));
-}
-
-// A second save waits for the first: one save in flight per saver.
-TEST(AsyncSave, OneSaveInFlightPerSaver) {
-  ScratchDir dir;
-  const auto c = tiny_model();
-  run_ranks(2, [&](ProcessGroup& g) {
-    demo::RankModel m = demo::build_rank(c, {1, 2, 0, 1}, g.rank());
-    Saver saver(g);
-    AsyncSave first = saver.save_async(m.state, dir / "a.h5");
-    AsyncSave second = saver.save_async(m.state, dir / "b.h5");
-    EXPECT_TRUE(first.done());
-    first.wait();
-    second.wait();
-    // The caller's own collectives never meet the saver's.
-    g.barrier();
-  });
-  EXPECT_EQ(host_mismatches(c, {2, 1, 0, 1}, dir / "a.h5"), 0);
-  EXPECT_EQ(host_mismatches(c, {2, 1, 0, 1}, dir / "b.h5"), 0);
+// A pool cut from memory it is given allocates nothing: as many whole buffers as fit, in place.
+TEST(StagingPool, CutFromOneAllocationAllocatesNothing) {
+  const auto device = std::make_shared<EmulatedDevice>();
+  SharedBuffer memory = device->allocate_pinned(DType::u8, {2 * 4096 + 100});
+  const auto allocations = device->stats().pinned_allocations;
+  StagingPool pool(device, memory, 4096);
+  EXPECT_EQ(device->stats().pinned_allocations, allocations);
+  EXPECT_EQ(pool.buffers(), 2);
+  EXPECT_EQ(pool.bytes(), 8192u);
+  EXPECT_EQ(pool.buffer(1).data(), memory.mut_view().data() + 4096);
+  EXPECT_EQ(pool.buffer(0).space(), MemorySpace::pinned());
+  EXPECT_EQ(error_of([&] { StagingPool(device, memory, 1 << 20); }).code(), Errc::invalid_argument);
+  SharedBuffer on_device = device->allocate_device(DType::u8, {8192});
+  EXPECT_EQ(error_of([&] { StagingPool(device, on_device, 4096); }).code(), Errc::invalid_argument);
 }
 
 // A staging pool shares its engine: the engine lives while the pool does, whoever made it.

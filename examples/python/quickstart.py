@@ -40,8 +40,9 @@ state.add_common("step", 100)
 
 group = sc.TorchGroup()  # torch.distributed's default group
 saver = sc.Saver(group)
-pending = saver.save_async(state, path)  # returns once this rank's rows are staged
-weight.fill_(0)  # training may change the shards now
+pending = saver.save_async(state, path)  # returns at once, or once staged when they fit its budget
+pending.wait_staged()  # the save has read this rank's rows: training may change the shards now
+weight.fill_(0)
 pending.wait()  # the collective outcome: every rank gets the same one
 
 # Back at TP 1 x GTP 4 with alignment 8: each rank asks for its own shard and gets it in place.

@@ -87,7 +87,7 @@ class Rank:
         dist.all_gather(parts, shard.view(torch.uint8), group=self.gtp_group)
         return torch.cat(parts).view(torch.bfloat16)[:rows]
 
-    def train_step(self, step):
+    def train_step(self, step, before_update=None):
         torch, dist = self.torch, self.dist
         g = torch.Generator().manual_seed(step)
         x = torch.randn(BATCH, COLS, generator=g)
@@ -105,6 +105,8 @@ class Rank:
             grad[:p.real_rows()] = local.grad[lo:lo + p.real_rows()]
             m.grad = grad
             loss = loss + part.detach()
+        if before_update is not None:
+            before_update()  # a save in flight must have read the weights before they change
         self.opt.step()
         for w, m in zip(self.weights, self.masters):
             w.copy_(m.to(torch.bfloat16))
@@ -140,7 +142,7 @@ def rank_main(mode, out, args):
     saver = sc.Saver(group)
     pending, losses, delay = None, {}, float(os.environ.get("STEP_DELAY", "0"))
     for step in range(first, STEPS + 1):
-        losses[step] = me.train_step(step).hex()
+        losses[step] = me.train_step(step, pending.wait_staged if pending is not None else None).hex()
         if rank == 0:
             with open(os.path.join(out, "progress"), "w") as f:
                 f.write(str(step))

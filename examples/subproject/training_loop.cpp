@@ -1,7 +1,8 @@
 // Checkpoints of a training loop (docs/user-guide.md, "A training loop"): each rank's weights and
 // Adam state live in device memory the trainer allocated; every 10 steps a Saver saves them in the
-// background while training goes on; a restart at another layout loads them in place into the new
-// job's own device tensors. The device here is emulated (its memory is unreadable from the host, as
+// background, streaming them through a small host budget while the next step's forward and backward
+// run, and the optimizer step waits until the save has read them; a restart at another layout loads
+// them in place into the new job's own device tensors. The device here is emulated (its memory is unreadable from the host, as
 // a GPU's is); on a GPU it is `std::make_shared<sc::CudaEngine>(local_rank)` from `import shardckpt.cuda;`.
 #include <atomic>
 #include <cstdint>
@@ -44,8 +45,17 @@ sc::StateDict state_of(const std::vector<sc::ShardedParam>& tensors, std::int64_
   return state;
 }
 
-// A stand-in for a training step: every element of every tensor becomes `step`.
-void train_step(sc::CopyEngine& device, std::vector<sc::ShardedParam>& tensors, std::int64_t step) {
+// A stand-in for forward and backward: they read the weights (here: copy them to the host), never
+// change them, so they may run while a save reads the same weights.
+void forward_backward(sc::CopyEngine& device, const std::vector<sc::ShardedParam>& tensors) {
+  const sc::ShardedParam& weight = tensors.front();
+  sc::HostBuffer activations = sc::HostBuffer::uninitialized(weight.dtype, weight.shard_shape());
+  device.copy_to_host(weight.shard.view(), activations.mut_view());
+  device.wait(device.fence());
+}
+
+// A stand-in for the optimizer step: every element of every tensor becomes `step`.
+void optimizer_step(sc::CopyEngine& device, std::vector<sc::ShardedParam>& tensors, std::int64_t step) {
   for (sc::ShardedParam& p : tensors) {
     sc::HostBuffer values = sc::HostBuffer::zeros(p.dtype, p.shard_shape());
     if (p.dtype == sc::DType::f32)
@@ -62,13 +72,17 @@ void train(const char* path) {
   sc::run_ranks(tp * gtp, [&](sc::ProcessGroup& group) {
     const auto device = std::make_shared<sc::EmulatedDevice>();
     auto tensors = model(*device, in_proj(tp, gtp, 16, {.tp_rank = group.rank() / gtp, .gtp_rank = group.rank() % gtp}));
-    sc::Saver saver(group, {.engine = device});  // the saver shares the ownership of the engine
+    // The saver shares the ownership of the engine. Its host budget (16 KiB here, 128 MiB by
+    // default) is less than a rank's 26 to 42 KiB, which stream through it.
+    sc::Saver saver(group, {.engine = device, .staging_buffer_bytes = 8 << 10});
     std::optional<sc::AsyncSave> pending;
     for (std::int64_t step = 1; step <= 30; ++step) {
-      train_step(*device, tensors, step);
+      forward_backward(*device, tensors);  // overlaps the save in flight
+      if (pending) pending->wait_staged();  // the save has read the weights: the step may change them
+      optimizer_step(*device, tensors, step);
       if (step % 10 != 0) continue;
       if (pending) pending->wait();  // the previous checkpoint is committed (or this throws)
-      // Returns once the shards are staged in pinned memory: the next step may change them.
+      // Returns at once; the weights must not change until wait_staged() returns.
       pending = saver.save_async(state_of(tensors, step), path);
     }
     pending->wait();

@@ -91,19 +91,29 @@ def verify(path):
 
 class Saver:
     """Repeated saves of one rank, and saves in the background (collective to make: every rank
-    makes one). save_async returns once this rank's bytes are staged in pinned host memory; the
-    handle's wait() returns the collective outcome or raises it."""
+    makes one). save_async plans this rank's pieces and returns: at once, before any byte is copied,
+    when the rank's bytes exceed the saver's host budget (async_host_bytes, never less than the
+    pool of 2 x staging_buffer_bytes), after staging them all when they fit. The handle's
+    wait_staged() returns once every byte has left the tensors (call it before the optimizer step
+    changes them); wait() returns the collective outcome or raises it. check_unchanged=True hashes
+    every row at save_async and again as it is staged: a tensor changed too early fails the save
+    (shardckpt.Error, code "shard_changed", naming the key and rows)."""
 
-    def __init__(self, group=None, cuda_device=None, async_staging_bytes=0):
-        self._saver = _core.Saver(_group(group), cuda_device, async_staging_bytes)
+    def __init__(self, group=None, cuda_device=None, async_host_bytes=0, check_unchanged=False,
+                 staging_buffer_bytes=64 << 20):
+        self._saver = _core.Saver(_group(group), cuda_device, async_host_bytes, check_unchanged,
+                                  staging_buffer_bytes)
 
     def save(self, state, path):
         _sync_cuda()
         self._saver.save(state, os.fspath(path))
 
     def save_async(self, state, path):
-        _sync_cuda()
+        _sync_cuda()  # the saver's copies may start at once: what torch queued must be done first
         return self._saver.save_async(state, os.fspath(path))
+
+    def async_host_bytes(self):
+        return self._saver.async_host_bytes()
 
     def staging_bytes(self):
         return self._saver.staging_bytes()

@@ -74,6 +74,7 @@ Saved save_model(const DemoFlags& f, const demo::ModelConfig& config, const demo
     double blocking = 0;
     if (f.async) {
       AsyncSave pending = saver.save_async(rank.state, f.out);
+      pending.wait_staged();  // what a trainer waits for before its optimizer step
       blocking = seconds_since(t0);
       pending.wait();
     } else {
@@ -203,7 +204,7 @@ Runner add_demo(CLI::App& app, Global& global) {
       ->check(CLI::Range(std::int64_t{0}, max_align));
   cmd->add_flag("--no-checksums", f->no_checksums, "save without checksums (loads then cannot check what they read)");
   cmd->add_flag("--phases", f->phases, "print each phase of the save on standard error as it begins");
-  cmd->add_flag("--async", f->async, "save in the background: return once the shards are staged in pinned memory");
+  cmd->add_flag("--async", f->async, "save in the background (Saver::save_async, then AsyncSave::wait_staged)");
   f->training.add(*cmd);
   f->device.add(*cmd);
   add_method(*cmd, f->method);

@@ -204,13 +204,13 @@ Created read_verdict(const Bytes& verdict, const SavePlan& plan, int me, int ran
 // hyperslab path one rank at a time, since HDF5 must not have one file open for writing in two
 // processes. Each rank first opens the temporary file rank 0 created and checks that it is that file.
 void write_pieces(ProcessGroup& group, const SavePlan& plan, const Created& created, Destination& dest,
-                  const SaveOptions& options) {
+                  const SaveOptions& options, const RowsStaged& staged) {
   agree(group, "opening the temporary file", [&] {
     if (!dest.temp) dest.opened.emplace(io::TemporaryFile::open_created(dest.dir, dest.name, dest.identity));
   });
   const auto write_mine = [&] {
     PieceWriter writer(dest.file(), options.method, created.slot, options.progress);
-    write_items(plan, created.datasets, writer, options.staging);
+    write_items(plan, created.datasets, writer, options.staging, staged);
     writer.finish();
   };
   if (options.method == IoMethod::raw) return agree(group, "writing pieces", write_mine);
@@ -223,9 +223,9 @@ void write_pieces(ProcessGroup& group, const SavePlan& plan, const Created& crea
 }  // namespace
 
 // A save of the plan that `make_plan` returns on each rank (called once, in the planning phase, so
-// that its errors are the save's collective errors).
+// that its errors are the save's collective errors); `staged` is told as rows leave the plan's memory.
 void save_with(const std::function<SavePlan()>& make_plan, const fs::path& path, ProcessGroup& group,
-               const SaveOptions& options) {
+               const SaveOptions& options, const RowsStaged& staged) {
   require_thread_safe_hdf5(group);
   const ForbidMaterialization no_copies;
   const int me = group.rank();
@@ -250,7 +250,7 @@ void save_with(const std::function<SavePlan()>& make_plan, const fs::path& path,
                                          plan, me, group.size(), dest);
     // 2. Every rank writes and syncs its pieces.
     phase(SavePhase::writing);
-    write_pieces(group, plan, created, dest, options);
+    write_pieces(group, plan, created, dest, options, staged);
     // 3. Only when every rank has written and synced its pieces does rank 0 seal and commit.
     phase(SavePhase::committing);
     agree(group, "committing the checkpoint", [&] {

@@ -32,6 +32,7 @@ import shardckpt.state;
 import shardckpt.merge;
 import :wire;
 import :protocol;
+import :staging;
 
 namespace shardckpt {
 namespace {
@@ -41,15 +42,20 @@ namespace fs = std::filesystem;
 // ---- async saves -------------------------------------------------------------------------------
 
 struct AsyncSave::State {
-  std::mutex mutex;
+  mutable std::mutex mutex;
   std::condition_variable changed;
-  bool finished = false;
+  bool staged = false, finished = false;
   std::exception_ptr error;
 
+  void mark_staged() {
+    const std::lock_guard lock(mutex);
+    staged = true;
+    changed.notify_all();
+  }
   void finish(std::exception_ptr e) {
     const std::lock_guard lock(mutex);
     error = std::move(e);
-    finished = true;
+    staged = finished = true;
     changed.notify_all();
   }
 };
@@ -57,6 +63,18 @@ struct AsyncSave::State {
 AsyncSave::AsyncSave(AsyncSave&&) noexcept = default;
 AsyncSave& AsyncSave::operator=(AsyncSave&&) noexcept = default;
 AsyncSave::~AsyncSave() = default;
+
+void AsyncSave::wait_staged() {
+  require(state_ != nullptr, Errc::invalid_argument, "waiting for no save");
+  std::unique_lock lock(state_->mutex);
+  state_->changed.wait(lock, [&] { return state_->staged; });
+}
+
+bool AsyncSave::staged() const {
+  if (!state_) return false;
+  const std::lock_guard lock(state_->mutex);
+  return state_->staged;
+}
 
 void AsyncSave::wait() {
   require(state_ != nullptr, Errc::invalid_argument, "waiting for no save");
@@ -71,11 +89,25 @@ bool AsyncSave::done() const {
   return state_->finished;
 }
 
+namespace {
+
+// One async save, as the caller's thread leaves it to the background.
+struct AsyncJob {
+  SavePlan plan;
+  std::exception_ptr error;            // this rank's failure before the background began: its planning error
+  std::optional<StateDict> shards;     // a streamed save keeps the shards' owners until it ends
+  std::optional<UnchangedCheck> check;
+  std::size_t unstaged = 0;            // bytes still to leave the shards
+};
+
+}  // namespace
+
 struct Saver::Impl {
   SaverOptions options;
-  std::shared_ptr<StagingPool> pool;
+  std::size_t budget = 0;
   std::unique_ptr<ProcessGroup> group;  // private: background saves never meet the caller's collectives
-  SharedBuffer staging;                 // where async saves stage this rank's bytes; sized once
+  SharedBuffer memory;                  // the budget; the pool's buffers lie in it
+  std::shared_ptr<StagingPool> pool;
   std::thread background;
 
   SaveOptions save_options() const {
@@ -89,47 +121,60 @@ struct Saver::Impl {
     if (background.joinable()) background.join();
   }
 
-  // Pinned memory of the engine's (locked host memory without an engine) for async saves.
-  SharedBuffer allocate_staging(std::size_t bytes) const {
-    const Extents shape{static_cast<std::int64_t>(bytes)};
-    return options.engine ? options.engine->allocate_pinned(DType::u8, shape) : allocate_locked(DType::u8, shape);
+  // Pinned memory of the engine's (locked host memory without an engine) for the budget.
+  void allocate_budget() {
+    const Extents shape{static_cast<std::int64_t>(budget)};
+    memory = options.engine ? options.engine->allocate_pinned(DType::u8, shape) : allocate_locked(DType::u8, shape);
+    if (options.engine) pool = std::make_shared<StagingPool>(options.engine, memory, options.staging_buffer_bytes);
   }
 
-  // Copies every byte this rank writes into the staging memory (allocated by the first call) and
-  // returns the plan of those copies.
-  SavePlan stage(const StateDict& state) {
-    constexpr std::size_t align = 64;
-    SavePlan plan = prepare_save(state);
-    std::size_t need = 0;
-    for (const SaveItem& i : plan.items)
-      if (i.writes) need = (need + align - 1) / align * align + i.data.bytes();
-    if (!staging)
-      staging = allocate_staging(std::max(need, options.async_staging_bytes));
-    require(need <= staging.bytes(), Errc::invalid_argument, "an async save of ", need,
-            " bytes does not fit the staging memory of ", staging.bytes(),
-            " bytes sized by the first (set SaverOptions::async_staging_bytes, or make a new Saver)");
-    std::byte* base = staging.mut_view().data();
-    std::size_t at = 0;
-    for (SaveItem& i : plan.items) {
-      if (!i.writes) {
-        i.data = {};  // never read: another rank writes these rows
-        continue;
-      }
-      at = (at + align - 1) / align * align;
-      const MutTensorView to = MutTensorView::unchecked(base + at, i.data.dtype(), i.data.shape(), MemorySpace::pinned());
-      at += i.data.bytes();
-      if (i.data.space().host_accessible()) {
-        if (!i.data.empty()) std::memcpy(to.data(), i.data.data(), i.data.bytes());
-      } else {
-        require(options.engine != nullptr && options.engine->device() == i.data.space(), Errc::invalid_argument, "key ",
-                i.key, ": an async save of ", memory_space_text(i.data.space()),
-                " memory needs a Saver with that device's CopyEngine");
-        options.engine->copy_to_host(i.data, to);
-      }
-      i.data = to;
+  // After a failed save: no copy it enqueued may still land in the budget when the next one uses it.
+  void settle() noexcept {
+    if (!options.engine) return;
+    try {
+      options.engine->wait(options.engine->fence());
+    } catch (...) {  // the save's own error is the one reported
     }
-    if (options.engine) options.engine->wait(options.engine->fence());
-    return plan;
+  }
+
+  // The caller's part of an async save: plans this rank's pieces and, when they fit the budget, stages
+  // them whole; otherwise keeps the shards' owners for the background, which streams them.
+  void prepare(const StateDict& state, AsyncJob& job) {
+    job.plan = prepare_save(state);
+    if (options.check_unchanged) job.check.emplace(job.plan, pool.get());
+    if (whole_staging_bytes(job.plan) <= budget) {
+      if (!memory) allocate_budget();  // a saver without an engine: its first async save staged whole
+      job.plan = stage_whole(std::move(job.plan), memory.mut_view(), options.engine.get());
+      if (job.check) job.check->verify_all(job.plan);
+      job.check.reset();
+      return;
+    }
+    job.shards = state;
+    job.unstaged = written_bytes(job.plan);
+  }
+
+  // The background's part: the collective save of the job's plan; a streamed one tells `outcome` when
+  // its last byte has left the shards, after checking each row staged when asked to.
+  void run(AsyncJob& job, AsyncSave::State& outcome, const fs::path& path) {
+    const auto staged = [&](std::size_t item, std::int64_t first, TensorView rows) {
+      if (job.check) job.check->verify(item, first, rows);
+      job.unstaged -= std::min(job.unstaged, rows.bytes());
+      if (job.unstaged == 0) outcome.mark_staged();
+    };
+    try {
+      save_with(
+          [&] {
+            if (job.error) std::rethrow_exception(job.error);
+            return std::move(job.plan);
+          },
+          path, *group, save_options(), staged);
+      job.shards.reset();
+      outcome.finish(nullptr);
+    } catch (...) {
+      settle();
+      job.shards.reset();
+      outcome.finish(std::current_exception());
+    }
   }
 };
 
@@ -137,9 +182,14 @@ Saver::Saver(ProcessGroup& group, SaverOptions options) : impl_(std::make_unique
   impl_->options = std::move(options);
   impl_->group = group.split(0, group.rank());
   agree(*impl_->group, "making a saver", [&] {
-    if (impl_->options.engine)
-      impl_->pool = std::make_shared<StagingPool>(impl_->options.engine, impl_->options.staging_buffer_bytes,
-                                                  impl_->options.staging_buffers);
+    const SaverOptions& o = impl_->options;
+    require(o.staging_buffers >= 1 && o.staging_buffer_bytes > 0, Errc::invalid_argument,
+            "a saver's pool needs at least one buffer of at least one byte (got ", o.staging_buffers, " of ",
+            o.staging_buffer_bytes, ")");
+    const auto pool_bytes = static_cast<std::size_t>(checked_mul(
+        o.staging_buffers, static_cast<std::int64_t>(o.staging_buffer_bytes), "the saver's pool in bytes"));
+    impl_->budget = std::max(o.async_host_bytes, pool_bytes);
+    if (o.engine) impl_->allocate_budget();
   });
 }
 
@@ -147,7 +197,12 @@ Saver::~Saver() { impl_->join(); }
 
 void Saver::save(const StateDict& state, const fs::path& path) {
   impl_->join();
-  shardckpt::save(state, path, *impl_->group, impl_->save_options());
+  try {
+    shardckpt::save(state, path, *impl_->group, impl_->save_options());
+  } catch (...) {
+    impl_->settle();
+    throw;
+  }
 }
 
 AsyncSave Saver::save_async(const StateDict& state, const fs::path& path) {
@@ -155,28 +210,18 @@ AsyncSave Saver::save_async(const StateDict& state, const fs::path& path) {
   require(impl_->group->supports_background(), Errc::invalid_argument,
           "this process group cannot run a save in the background (MPI needs MPI_THREAD_MULTIPLE; NCCL's "
           "collectives on another thread can deadlock with the trainer's: give the Saver an MPI or thread group)");
-  // A failure to stage is this rank's error in the save's planning phase, so that every rank learns it.
-  std::exception_ptr staging_error;
-  auto plan = std::make_shared<SavePlan>();
+  auto job = std::make_shared<AsyncJob>();
   try {
-    *plan = impl_->stage(state);
+    impl_->prepare(state, *job);
   } catch (const std::exception&) {
-    staging_error = std::current_exception();
+    // This rank's error in the save's planning phase, so that every rank learns it.
+    job->error = std::current_exception();
+    job->shards.reset();
+    job->unstaged = 0;
   }
   auto outcome = std::make_shared<AsyncSave::State>();
-  auto run = [impl = impl_.get(), plan, staging_error, path, outcome] {
-    try {
-      save_with(
-          [&] {
-            if (staging_error) std::rethrow_exception(staging_error);
-            return std::move(*plan);
-          },
-          path, *impl->group, impl->save_options());
-      outcome->finish(nullptr);
-    } catch (...) {
-      outcome->finish(std::current_exception());
-    }
-  };
+  if (job->unstaged == 0) outcome->mark_staged();
+  auto run = [impl = impl_.get(), job, outcome, path] { impl->run(*job, *outcome, path); };
   try {
     impl_->background = std::thread(run);
   } catch (const std::system_error&) {
@@ -185,8 +230,8 @@ AsyncSave Saver::save_async(const StateDict& state, const fs::path& path) {
   return AsyncSave(outcome);
 }
 
-std::size_t Saver::staging_bytes() const {
-  return (impl_->pool ? impl_->pool->bytes() : 0) + impl_->staging.bytes();
-}
+std::size_t Saver::async_host_bytes() const { return impl_->budget; }
+
+std::size_t Saver::staging_bytes() const { return impl_->memory ? impl_->memory.bytes() : 0; }
 
 }  // namespace shardckpt

@@ -88,7 +88,7 @@ std::vector<Claim> claims_of(const SavePlan& plan, int rank) {
 }
 
 void write_items(const SavePlan& plan, std::span<const Dataset> datasets, PieceWriter& writer,
-                 const std::shared_ptr<StagingPool>& staging) {
+                 const std::shared_ptr<StagingPool>& staging, const RowsStaged& staged) {
   std::map<std::string_view, const Dataset*> by_key;
   for (const Dataset& d : datasets) by_key.emplace(d.key, &d);
   // Rows of device items staged in the pool, per buffer, in write order: a buffer's rows are written
@@ -97,20 +97,27 @@ void write_items(const SavePlan& plan, std::span<const Dataset> datasets, PieceW
     const Dataset* dataset;
     Box box;
     MutTensorView rows;
+    std::size_t item;
+    std::int64_t first_row;
   };
   std::optional<Arena> arena;
-  std::vector<std::vector<Staged>> staged(staging ? static_cast<std::size_t>(staging->buffers()) : 0);
+  std::vector<std::vector<Staged>> pending(staging ? static_cast<std::size_t>(staging->buffers()) : 0);
   const auto write_buffer = [&](int b) {
-    for (const Staged& s : staged[static_cast<std::size_t>(b)]) writer.write(*s.dataset, s.box, s.rows);
-    staged[static_cast<std::size_t>(b)].clear();
+    for (const Staged& s : pending[static_cast<std::size_t>(b)]) {
+      if (staged) staged(s.item, s.first_row, s.rows);
+      writer.write(*s.dataset, s.box, s.rows);
+    }
+    pending[static_cast<std::size_t>(b)].clear();
   };
-  for (const SaveItem& i : plan.items) {
+  for (std::size_t n = 0; n < plan.items.size(); ++n) {
+    const SaveItem& i = plan.items[n];
     if (!i.writes) continue;
     const auto it = by_key.find(i.key);
     require(it != by_key.end(), Errc::missing_key, "key ", i.key, " has no dataset in the checkpoint being written");
     if (i.data.space().host_accessible()) {
       if (arena) arena->drain(write_buffer);  // the file gets the items in order
       writer.write(*it->second, i.box, i.data);
+      if (staged) staged(n, 0, i.data);
       continue;
     }
     require(staging != nullptr, Errc::invalid_argument, "key ", i.key, ": saving ", memory_space_text(i.data.space()),
@@ -119,8 +126,8 @@ void write_items(const SavePlan& plan, std::span<const Dataset> datasets, PieceW
     for (std::int64_t r0 = 0; r0 < i.data.rows();) {
       const MutTensorView rows = arena->take(i.data, i.data.rows() - r0, write_buffer);
       arena->engine().copy_to_host(i.data.slice_rows(r0, r0 + rows.rows()), rows);
-      staged[static_cast<std::size_t>(arena->current())].push_back(
-          {it->second, {{i.box.rows.begin + r0, i.box.rows.begin + r0 + rows.rows()}, i.box.cols}, rows});
+      pending[static_cast<std::size_t>(arena->current())].push_back(
+          {it->second, {{i.box.rows.begin + r0, i.box.rows.begin + r0 + rows.rows()}, i.box.cols}, rows, n, r0});
       r0 += rows.rows();
     }
   }

@@ -170,16 +170,28 @@ py::dict inspect_dict(const CheckpointReader& r) {
 }
 
 void bind_saver(py::module_& m) {
-  py::class_<PyAsyncSave>(m, "AsyncSave", "A save in the background: wait() returns its outcome or raises it.")
-      .def("wait", [](PyAsyncSave& s) {
-        py::gil_scoped_release nogil;
-        s.held->wait();
-      })
+  py::class_<PyAsyncSave>(m, "AsyncSave",
+                          "A save in the background: wait_staged() returns once its bytes have left the shards, "
+                          "wait() returns its outcome or raises it.")
+      .def("wait_staged",
+           [](PyAsyncSave& s) {
+             py::gil_scoped_release nogil;
+             s.held->wait_staged();
+           })
+      .def("staged", [](const PyAsyncSave& s) { return s.held->staged(); })
+      .def("wait",
+           [](PyAsyncSave& s) {
+             py::gil_scoped_release nogil;
+             s.held->wait();
+           })
       .def("done", [](const PyAsyncSave& s) { return s.held->done(); });
   py::class_<PySaver>(m, "Saver", "Repeated (and async) saves of one rank; collective to make.")
-      .def(py::init([](py::object group, std::optional<int> cuda_device, std::size_t async_staging_bytes) {
+      .def(py::init([](py::object group, std::optional<int> cuda_device, std::size_t async_host_bytes,
+                       bool check_unchanged, std::size_t staging_buffer_bytes) {
              SaverOptions o;
-             o.async_staging_bytes = async_staging_bytes;
+             o.async_host_bytes = async_host_bytes;
+             o.check_unchanged = check_unchanged;
+             o.staging_buffer_bytes = staging_buffer_bytes;
              if (cuda_device) o.engine = cuda_engine(*cuda_device);
              GroupArg g(group);
              PySaver s;
@@ -189,7 +201,8 @@ void bind_saver(py::module_& m) {
              }
              return s;
            }),
-           py::arg("group") = py::none(), py::arg("cuda_device") = py::none(), py::arg("async_staging_bytes") = 0)
+           py::arg("group") = py::none(), py::arg("cuda_device") = py::none(), py::arg("async_host_bytes") = 0,
+           py::arg("check_unchanged") = false, py::arg("staging_buffer_bytes") = StagingPool::default_buffer_bytes)
       .def("save",
            [](PySaver& s, const PyStateDict& state, const Path& path) {
              py::gil_scoped_release nogil;
@@ -204,6 +217,7 @@ void bind_saver(py::module_& m) {
              return out;
            },
            py::arg("state"), py::arg("path"))
+      .def("async_host_bytes", [](const PySaver& s) { return s.held->async_host_bytes(); })
       .def("staging_bytes", [](const PySaver& s) { return s.held->staging_bytes(); });
 }
 

@@ -1,5 +1,6 @@
 """The Python package in one process: round trips through DLPack without copies, the state dict's
 ownership of the tensors it refers to, the errors users see, and the GIL released while it works."""
+import faulthandler
 import gc
 import os
 import shutil
@@ -20,6 +21,44 @@ from support import reference, shard_of, spec_at
 def param(tp=1, gtp=1, align=0, tp_rank=0, gtp_rank=0, shard=None, kind="gdp"):
     return sc.ShardedParam(spec_at(tp, kind), gtp=gtp, align=align, tp_rank=tp_rank, gtp_rank=gtp_rank, shard=shard,
                            dtype=torch.bfloat16 if shard is None else None)
+
+
+class HeldGroup:
+    """One process as a Python group: the library calls it with the GIL. A background save's calls
+    (from any thread but the main one) wait for `go` first, so that a test knows where the save is."""
+
+    def __init__(self):
+        self.go = threading.Event()
+        self.background_calls = 0
+
+    def _held(self):
+        if threading.current_thread() is not threading.main_thread():
+            self.background_calls += 1
+            self.go.wait()
+
+    def rank(self): return 0
+    def size(self): return 1
+    def barrier(self): pass
+    def split(self, color, key): return self
+    def all_gather_rows(self, rows, counts): pass
+    def moves_device(self): return False
+    def supports_background(self): return True
+
+    def broadcast_bytes(self, data, root):
+        self._held()
+        return data
+
+    def all_gather_bytes(self, data):
+        self._held()
+        return [data]
+
+
+def big_state(rows=1024):
+    """A 16 MiB f32 parameter and its state dict: 8 budgets of the saver the tests make."""
+    t = torch.rand(rows, 4096)
+    s = sc.StateDict()
+    s.add(sc.ShardedParam(sc.ParamSpec("big", sc.plain_sections(rows), [4096]), 1, 0, 0, 0, shard=t))
+    return t, s
 
 
 class Api(unittest.TestCase):
@@ -170,6 +209,42 @@ class Api(unittest.TestCase):
         self.assertTrue(handle.done())
         self.assertTrue(torch.equal(sc.read(self.path)[spec_at(1).key], reference(1, 0)))
         self.assertGreater(saver.staging_bytes(), 0)
+
+    def test_bounded_async_save_returns_at_once_and_waits_staged_without_the_gil(self):
+        t, s = big_state()
+        original = t.clone()
+        group = HeldGroup()
+        saver = sc.Saver(group, staging_buffer_bytes=1 << 20)
+        self.assertEqual(saver.async_host_bytes(), 2 << 20)
+        handle = saver.save_async(s, self.path)
+        self.assertFalse(handle.staged())  # its planning waits for group.go: nothing is read yet
+        # The timer's thread, and the save's calls of the group, run only if wait_staged releases the
+        # GIL; if it did not, this process would stop here: the dump ends it in time.
+        threading.Timer(0.1, group.go.set).start()
+        faulthandler.dump_traceback_later(60, exit=True)
+        try:
+            handle.wait_staged()
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+        self.assertTrue(handle.staged())
+        self.assertGreater(group.background_calls, 0)
+        t.fill_(0)  # the optimizer step
+        handle.wait()
+        self.assertTrue(torch.equal(sc.read(self.path)["big"], original))
+        self.assertEqual(saver.staging_bytes(), 0)  # host tensors stream from where they are
+
+    def test_a_tensor_changed_before_wait_staged_fails_a_checked_save(self):
+        t, s = big_state()
+        group = HeldGroup()
+        saver = sc.Saver(group, staging_buffer_bytes=1 << 20, check_unchanged=True)
+        handle = saver.save_async(s, self.path)
+        t[3:5] = 7  # too early: the save has not read these rows
+        group.go.set()
+        with self.assertRaises(sc.Error) as e:
+            handle.wait()
+        self.assertEqual(e.exception.code, "shard_changed")
+        self.assertIn("key big: 2 of rows [3, 5)", str(e.exception))
+        self.assertFalse(os.path.exists(self.path))
 
     def test_saves_release_the_gil(self):
         spec = sc.ParamSpec("big", sc.plain_sections(4096), [8192])

@@ -1,0 +1,110 @@
+// Async saves whose bytes fit the saver's budget: staged whole before save_async returns (the saved
+// weights are those of the call, whatever the caller does next), the budget allocated once and
+// never grown, a failure in the background as every rank's outcome, one save in flight per saver.
+#include "support.hpp"
+
+// The caller changes its weights as soon as save_async returns: the checkpoint holds the weights as
+// they were when it was called, and wait_staged() has nothing to wait for.
+TEST(AsyncSave, StagedWholeBeforeItReturnsAndSavesTheWeightsAsTheyWere) {
+  ScratchDir dir;
+  const auto c = tiny_model();
+  const demo::Layout l{2, 2, 8, 1};
+  for (const bool on_device : {false, true}) {
+    Gate planning;
+    run_ranks(l.ranks(), [&](ProcessGroup& g) {
+      const auto device = std::make_shared<EmulatedDevice>();
+      const demo::ShardMemory where = on_device ? demo::ShardMemory{MemoryKind::device, device} : demo::ShardMemory{};
+      demo::RankModel m = demo::build_rank(c, l, g.rank(), {}, where);
+      Saver saver(g, {.engine = on_device ? device : nullptr, .save = held_at(&planning, nullptr)});
+      AsyncSave pending = saver.save_async(m.state, dir / "a.h5");
+      EXPECT_TRUE(pending.staged());  // before the background has even planned
+      EXPECT_FALSE(pending.done());
+      pending.wait_staged();
+      // Train on: every shard is overwritten while the save is in flight.
+      for (ShardedParam& p : m.state.params())
+        if (!p.shard.view().empty()) scribble(p.shard.mut_view(), device.get());
+      g.barrier();
+      if (g.rank() == 0) planning.open();
+      pending.wait();
+      EXPECT_TRUE(pending.done());
+      EXPECT_GT(saver.staging_bytes(), 0u);
+    });
+    EXPECT_EQ(host_mismatches(c, {1, 4, 4, 1}, dir / "a.h5"), 0) << (on_device ? "device" : "host");
+  }
+}
+
+// The budget is the pool's unless asked for more, allocated once (a host saver's by its first async
+// save staged whole); a state larger than the budget no longer fails but streams through it.
+TEST(AsyncSave, TheBudgetIsAllocatedOnceAndNeverGrows) {
+  ScratchDir dir;
+  const auto c = tiny_model();
+  const demo::Layout l{1, 2, 0, 1};
+  run_ranks(l.ranks(), [&](ProcessGroup& g) {
+    demo::RankModel m = demo::build_rank(c, l, g.rank());
+    const std::size_t budget = std::max<std::size_t>(2 * static_cast<std::size_t>(m.shard_bytes), 2048);
+    Saver saver(g, {.staging_buffer_bytes = 1024, .async_host_bytes = budget});
+    EXPECT_EQ(saver.async_host_bytes(), budget);
+    EXPECT_EQ(saver.staging_bytes(), 0u);  // no engine: nothing until a save is staged whole
+    saver.save_async(m.state, dir / "a.h5").wait();
+    EXPECT_EQ(saver.staging_bytes(), budget);
+    // Adam's state makes the rank's bytes larger than the budget: they stream, in place.
+    demo::RankModel bigger = demo::build_rank(c, l, g.rank(), {.adam = true});
+    ASSERT_GT(static_cast<std::size_t>(bigger.shard_bytes), saver.async_host_bytes());
+    g.barrier();
+    const BufferStats before = buffer_stats();  // no rank allocates between the barriers
+    for (int i = 0; i < 3; ++i) saver.save_async(m.state, dir / "a.h5").wait();
+    saver.save_async(bigger.state, dir / "b.h5").wait();
+    g.barrier();
+    const BufferStats after = buffer_stats();
+    g.barrier();
+    EXPECT_EQ(after.allocations, before.allocations);
+    EXPECT_EQ(saver.staging_bytes(), budget);
+    // Never below the pool.
+    Saver small(g, {.staging_buffer_bytes = 1024, .async_host_bytes = 100});
+    EXPECT_EQ(small.async_host_bytes(), 2048u);
+  });
+  EXPECT_EQ(host_mismatches(c, {2, 1, 0, 1}, dir / "a.h5"), 0);
+  EXPECT_EQ(host_mismatches(c, {2, 1, 0, 1}, dir / "b.h5", {.adam = true}), 0);
+}
+
+TEST(AsyncSave, AFailureInTheBackgroundIsEveryRanksOutcomeAndCommitsNothing) {
+  ScratchDir dir;
+  const auto c = tiny_model();
+  const demo::Layout l{1, 2, 0, 1};
+  std::atomic<int> failed{0};
+  run_ranks(l.ranks(), [&](ProcessGroup& g) {
+    demo::RankModel m = demo::build_rank(c, l, g.rank());
+    Saver saver(g);
+    AsyncSave pending = saver.save_async(m.state, dir / "missing" / "a.h5");
+    try {
+      pending.wait();
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::io) << e.what();
+      ++failed;
+    }
+    // The outcome stays: waiting again says the same.
+    EXPECT_THROW(pending.wait(), Error);
+    EXPECT_TRUE(pending.staged());
+  });
+  EXPECT_EQ(failed.load(), 2);
+  EXPECT_FALSE(std::filesystem::exists(dir / "missing"));
+}
+
+// A second save waits for the first: one save in flight per saver.
+TEST(AsyncSave, OneSaveInFlightPerSaver) {
+  ScratchDir dir;
+  const auto c = tiny_model();
+  run_ranks(2, [&](ProcessGroup& g) {
+    demo::RankModel m = demo::build_rank(c, {1, 2, 0, 1}, g.rank());
+    Saver saver(g);
+    AsyncSave first = saver.save_async(m.state, dir / "a.h5");
+    AsyncSave second = saver.save_async(m.state, dir / "b.h5");
+    EXPECT_TRUE(first.done());
+    first.wait();
+    second.wait();
+    // The caller's own collectives never meet the saver's.
+    g.barrier();
+  });
+  EXPECT_EQ(host_mismatches(c, {2, 1, 0, 1}, dir / "a.h5"), 0);
+  EXPECT_EQ(host_mismatches(c, {2, 1, 0, 1}, dir / "b.h5"), 0);
+}
