@@ -299,7 +299,8 @@ TEST(CApiNames, CodesAndVersionHaveNames) {
   EXPECT_STREQ(shardckpt_errc_name(SHARDCKPT_OK), "ok");
   EXPECT_STREQ(shardckpt_errc_name(SHARDCKPT_ERR_MISSING_KEY), "missing_key");
   EXPECT_STREQ(shardckpt_errc_name(SHARDCKPT_ERR_INTERNAL), "internal");
-  EXPECT_STREQ(shardckpt_errc_name(17), "unknown");
+  EXPECT_STREQ(shardckpt_errc_name(SHARDCKPT_ERR_SHARD_CHANGED), "shard_changed");
+  EXPECT_STREQ(shardckpt_errc_name(SHARDCKPT_ERR_INTERNAL + 1), "unknown");
   EXPECT_STREQ(shardckpt_errc_name(-1), "unknown");
   EXPECT_GT(std::strlen(shardckpt_version()), 0u);
 }

@@ -38,7 +38,8 @@ typedef enum shardckpt_errc {
   SHARDCKPT_ERR_COLLECTIVE = 13,               /* another rank failed */
   SHARDCKPT_ERR_DEVICE = 14,                   /* a device or its runtime failed */
   SHARDCKPT_ERR_RESOURCES = 15,                /* not enough memory, file descriptors or threads */
-  SHARDCKPT_ERR_INTERNAL = 16                  /* anything else */
+  SHARDCKPT_ERR_SHARD_CHANGED = 16,            /* a shard changed while an async save still read it */
+  SHARDCKPT_ERR_INTERNAL = 17                  /* anything else */
 } shardckpt_errc;
 
 /* Element types, in shardckpt::DType's order. */

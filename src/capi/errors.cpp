@@ -20,6 +20,7 @@ static_assert(SHARDCKPT_ERR_SHAPE_MISMATCH == static_cast<int>(Errc::shape_misma
 static_assert(SHARDCKPT_ERR_MISSING_KEY == static_cast<int>(Errc::missing_key) + 1);
 static_assert(SHARDCKPT_ERR_MATERIALIZATION_FORBIDDEN == static_cast<int>(Errc::materialization_forbidden) + 1);
 static_assert(SHARDCKPT_ERR_RESOURCES == static_cast<int>(Errc::resources) + 1);
+static_assert(SHARDCKPT_ERR_SHARD_CHANGED == static_cast<int>(Errc::shard_changed) + 1);
 static_assert(SHARDCKPT_ERR_INTERNAL == static_cast<int>(Errc::internal) + 1);
 constexpr int last_errc = SHARDCKPT_ERR_INTERNAL;
 

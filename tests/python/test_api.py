@@ -41,7 +41,7 @@ class HeldGroup:
     def barrier(self): pass
     def split(self, color, key): return self
     def all_gather_rows(self, rows, counts): pass
-    def moves_device(self): return False
+    def device_index(self): return -1
     def supports_background(self): return True
 
     def broadcast_bytes(self, data, root):
