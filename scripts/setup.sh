@@ -1,14 +1,30 @@
 #!/usr/bin/env bash
 # Installs every package shardckpt needs (Debian 12) and configures build/ (and build-asan/ with
 # --asan). Idempotent: quiet when everything is already there.
+#
+# --peers (not part of demo.sh or test.sh): also builds build/ and makes build/peers-venv, a virtual
+# environment of /usr/bin/python3 with torch 2.x, safetensors, numpy and h5py from PyPI and the
+# project's package importable (a .pth file naming build/python), for bench/peers.py. PyPI's torch
+# for Linux is a CUDA build: with its nvidia-* wheels about 3 GB to download and 5.5 GB installed; it
+# runs on the CPU as well. The tests never use it: they run Debian's python3-torch 1.13.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+asan=false peers=false
+for arg in "$@"; do
+  case "$arg" in
+    --asan) asan=true ;;
+    --peers) peers=true ;;
+    *) echo "usage: scripts/setup.sh [--asan] [--peers]" >&2; exit 2 ;;
+  esac
+done
 
 packages=(meson ninja-build clang-19 lld-19 clang-tools-19 libclang-rt-19-dev
           libhdf5-dev hdf5-tools librange-v3-dev libgtest-dev pkg-config
           nlohmann-json3-dev libcli11-dev openmpi-bin libopenmpi-dev
           python3-h5py python3-numpy python3-xxhash libxxhash-dev
           python3-dev pybind11-dev libdlpack-dev python3-torch python3-matplotlib)
+$peers && packages+=(python3-venv)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
@@ -28,6 +44,23 @@ configure() {  # dir, extra meson options...
   meson setup "$dir" --native-file scripts/clang.ini --buildtype=debugoptimized "$@" >/dev/null
 }
 configure build
-if [ "${1:-}" = "--asan" ]; then
+if $asan; then
   configure build-asan -Db_sanitize=address,undefined -Db_lundef=false -Dfuzz=true
+fi
+
+if $peers; then
+  # The extension is built for /usr/bin/python3, so the environment is made from it, without the
+  # system's packages (Debian's torch 1.13 would shadow torch 2.x).
+  venv=build/peers-venv
+  [ -x "$venv/bin/python" ] || /usr/bin/python3 -m venv "$venv"
+  if ! "$venv/bin/python" -c 'import torch, safetensors, numpy, h5py
+assert int(torch.__version__.split(".")[0]) >= 2' 2>/dev/null; then
+    echo "setup: installing torch 2.x, safetensors, numpy and h5py from PyPI into $venv (about 3 GB)"
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check "torch>=2.8" safetensors numpy h5py
+  fi
+  site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  echo "$(pwd)/build/python" > "$site/shardckpt-build.pth"
+  ninja -C build >/dev/null
+  "$venv/bin/python" -c 'import shardckpt, torch, safetensors
+print(f"setup: {shardckpt.__file__} with torch {torch.__version__} and safetensors {safetensors.__version__}")'
 fi
