@@ -2,8 +2,23 @@
 # Installs every package shardckpt needs (Debian 12), configures build/ (and build-asan/ with
 # --asan) and makes .venv-safetensors (Hugging Face's safetensors from PyPI, for the tests).
 # Idempotent: quiet when everything is already there.
+#
+# --peers (not part of demo.sh or test.sh): also builds build/ and makes build/peers-venv, a virtual
+# environment of /usr/bin/python3 with torch 2.x, safetensors, numpy and h5py from PyPI and the
+# project's package importable (a .pth file naming build/python), for bench/peers.py. PyPI's torch
+# for Linux is a CUDA build: with its nvidia-* wheels about 3 GB to download and 5.5 GB installed; it
+# runs on the CPU as well. The tests never use it: they run Debian's python3-torch 1.13.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+asan=false peers=false
+for arg in "$@"; do
+  case "$arg" in
+    --asan) asan=true ;;
+    --peers) peers=true ;;
+    *) echo "usage: scripts/setup.sh [--asan] [--peers]" >&2; exit 2 ;;
+  esac
+done
 
 packages=(meson ninja-build clang-19 lld-19 clang-tools-19 libclang-rt-19-dev
           libhdf5-dev hdf5-tools librange-v3-dev libgtest-dev pkg-config
@@ -32,6 +47,23 @@ configure build
 # Hugging Face's safetensors (PyPI) in a virtual environment for tests/safetensors_test.py, which is
 # skipped without it (no network, say).
 scripts/safetensors-venv.sh .venv-safetensors || echo "setup: tests/safetensors_test.py will be skipped"
-if [ "${1:-}" = "--asan" ]; then
+if $asan; then
   configure build-asan -Db_sanitize=address,undefined -Db_lundef=false -Dfuzz=true
+fi
+
+if $peers; then
+  # The extension is built for /usr/bin/python3, so the environment is made from it, without the
+  # system's packages (Debian's torch 1.13 would shadow torch 2.x).
+  venv=build/peers-venv
+  [ -x "$venv/bin/python" ] || /usr/bin/python3 -m venv "$venv"
+  if ! "$venv/bin/python" -c 'import torch, safetensors, numpy, h5py
+assert int(torch.__version__.split(".")[0]) >= 2' 2>/dev/null; then
+    echo "setup: installing torch 2.x, safetensors, numpy and h5py from PyPI into $venv (about 3 GB)"
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check "torch>=2.8" safetensors numpy h5py
+  fi
+  site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  echo "$(pwd)/build/python" > "$site/shardckpt-build.pth"
+  ninja -C build >/dev/null
+  "$venv/bin/python" -c 'import shardckpt, torch, safetensors
+print(f"setup: {shardckpt.__file__} with torch {torch.__version__} and safetensors {safetensors.__version__}")'
 fi

@@ -6,6 +6,16 @@ every save and load is the library's own.
 import os
 import sys
 
+# A library built with CUDA and NCCL links the system's libcudart.so.13 and libnccl.so.2; PyPI's torch
+# 2.x brings its own, newer ones under the same sonames. Whichever is loaded first serves both, and
+# torch's own code needs its own (an older libnccl lacks symbols it calls: "undefined symbol:
+# ncclCommResume" when shardckpt was imported before torch). So torch, where it is installed, is
+# loaded before the extension; shardckpt runs on torch's (newer, compatible) libraries.
+try:
+    import torch  # noqa: F401
+except ImportError:
+    pass
+
 from . import _core
 from ._core import (AsyncSave, Error, ParamSpec, Section, ShardedParam, ShardedTensor, SsmDims, StateDict,
                     TpDivisor, ssm_divisors,

@@ -2,7 +2,8 @@
 its shards of two fused weights (and Adam-like f32 state, and a step) with TorchGroup; `load TP GTP
 ALIGN DIR` loads them back at its own layout and checks every row against the reference;
 `async ...` saves through a Saver in the background while it keeps computing; `badshape ...` has
-rank 1 pass a wrong dtype, so that every rank must raise the same error."""
+rank 1 pass a wrong dtype, so that every rank must raise the same error; `collectives ...` checks
+TorchGroup's metadata collectives with payloads of every length around its inline slot."""
 import os
 import sys
 
@@ -31,6 +32,20 @@ def state_at(tp, gtp, align, rank, fill=True):
     if fill:
         state.add_common("step", 42)
     return state, params
+
+
+def check_collectives(group, rank):
+    """all_gather_bytes and broadcast_bytes of empty, inline, boundary and long payloads, in the
+    group's member order, also in a split group whose members are ranked in reverse."""
+    inline = sc.TorchGroup.INLINE - 8
+    for sizes in ([0] * 4, [1, 0, 3, 17], [inline, inline - 1, 0, 2], [inline + 1, 1, 0, 5000], [9000] * 4):
+        for g, members in ((group, [0, 1, 2, 3]), (group.split(0, -rank), [3, 2, 1, 0])):
+            payload = lambda r: bytes((r * 7 + i) % 251 for i in range(sizes[r]))  # noqa: E731
+            got = g.all_gather_bytes(payload(rank))
+            assert got == [payload(m) for m in members], (sizes, [len(b) for b in got])
+            for root in range(4):
+                mine = payload(members[root]) if g.rank() == root else b"junk"
+                assert g.broadcast_bytes(mine, root) == payload(members[root]), (sizes, root)
 
 
 def main():
@@ -66,6 +81,9 @@ def main():
             print(f"ERROR {e.code}: {e}")
             return
         print("saved")
+    elif what == "collectives":
+        check_collectives(group, rank)
+        print("collectives ok")
     elif what == "load":
         state, params = state_at(tp, gtp, align, rank, fill=False)
         values = sc.load_into(path, state, group)

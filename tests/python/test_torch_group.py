@@ -51,6 +51,10 @@ class TorchGroupJobs(unittest.TestCase):
         self.assertTrue(errors.pop().startswith("ERROR dtype_mismatch"), outs)
         self.assertFalse(os.path.exists(self.path))
 
+    def test_metadata_collectives_carry_every_length_in_member_order(self):
+        outs = self.job(4, "collectives", 1, 4, 0, self.path)
+        self.assertTrue(all("collectives ok" in o for o in outs), outs)
+
     def test_read_joins_fused_blocks_at_any_tp(self):
         self.job(4, "save", 2, 2, 16, self.path)
         for tp in (1, 2):

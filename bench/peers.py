@@ -1,0 +1,187 @@
+#!/usr/bin/env python3
+"""shardckpt beside the peers a user would pick instead (docs/performance.md, "Beside PyTorch DCP
+and safetensors"), in one run on one machine, on the same sharded state:
+
+  - PyTorch Distributed Checkpoint (DCP, what Megatron's dist_checkpointing saves through) and
+    shardckpt, in the same 8 gloo processes holding the bench model's GTP shards at TP 2 x GTP 4
+    (alignment 32) as torch tensors: save, load in place, reshard at TP 1 x GTP 8 (alignment 16),
+    and the blocking time of an async save;
+  - safetensors and shardckpt in one process, on the same tensors consolidated at TP 1 x GTP 1.
+
+Run it with the Python of the peers' environment (scripts/setup.sh --peers):
+
+    build/peers-venv/bin/python bench/peers.py [--size-mib 1024] [--repeat 5] [--json]
+
+The exit code is 0 whatever the figures, 1 if a loaded value differs from what was saved, 2 on an
+error.
+"""
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MiB = 1 << 20
+# What a run writes into its directory (and removes without --keep).
+OUTPUTS = ("job.json", "single.json", "dcp-save", "dcp-async", "shardckpt-save.h5", "shardckpt-async.h5",
+           "model.safetensors", "whole.h5")
+
+
+def arguments(argv):
+    a = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    a.add_argument("--size-mib", type=int, default=1024, help="model size (default 1024: 1 GiB)")
+    a.add_argument("--repeat", type=int, default=5, help="rounds of writes (default 5)")
+    a.add_argument("--read-repeat", type=int, default=5, help="rounds of reads (default 5)")
+    a.add_argument("--dir", help="where the checkpoints go (default: a new directory in /tmp)")
+    a.add_argument("--json", action="store_true", help="one JSON object: every figure, its spread and target")
+    a.add_argument("--keep", action="store_true", help="keep the checkpoints")
+    a.add_argument("--warm-cache", action="store_true",
+                   help="keep the page cache (for profiling: what each side costs beside the disk)")
+    a.add_argument("--part", choices=("job", "single"), help=argparse.SUPPRESS)  # internal: one process's side
+    a.add_argument("--out", help=argparse.SUPPRESS)
+    o = a.parse_args(argv)
+    if not 1 <= o.size_mib <= 1 << 20 or not 1 <= o.repeat <= 100 or not 1 <= o.read_repeat <= 100:
+        a.error("--size-mib is 1 to 1048576, --repeat and --read-repeat 1 to 100")
+    return o
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def part_command(o, part, out):
+    return [sys.executable, os.path.abspath(__file__), "--part", part, "--out", out, "--dir", o.dir,
+            "--size-mib", str(o.size_mib), "--repeat", str(o.repeat), "--read-repeat", str(o.read_repeat)]
+
+
+def environment(**more):
+    # One intra-op thread each; glibc's mmap threshold fixed at 1 MiB, as shardckpt-bench fixes it.
+    return dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(MiB), **more)
+
+
+def run_job(o, out, world=8):
+    """The gloo job, as torchrun starts one; every process stopped as soon as one fails."""
+    port = free_port()
+    procs = [subprocess.Popen(part_command(o, "job", out), env=environment(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(world))) for r in range(world)]
+    while any(p.poll() is None for p in procs):
+        if any(p.returncode not in (None, 0) for p in procs):
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            break
+        time.sleep(0.2)
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise RuntimeError(f"the gloo job failed: exit codes {codes}")
+
+
+def run_single(o, out):
+    code = subprocess.call(part_command(o, "single", out), env=environment())
+    if code:
+        raise RuntimeError(f"the one-process part failed: exit code {code}")
+
+
+def versions():
+    import h5py
+    import safetensors
+    import torch
+    import shardckpt
+    return {"torch": torch.__version__, "safetensors": safetensors.__version__, "h5py": h5py.__version__,
+            "hdf5": h5py.version.hdf5_version, "shardckpt": shardckpt.__version__, "python": sys.version.split()[0]}
+
+
+def h5py_reads(path, config):
+    """Every dataset of shardckpt's checkpoint read by h5py alone; the first block's raw bf16 bits
+    equal the pattern."""
+    import h5py
+    import numpy as np
+    import torch
+    from peers import model
+    spec = model.specs(config, 1)[0]
+    section = spec.sections[0]
+    key, shape = model.block_key(spec, section), model.block_shape(spec, section)
+    with h5py.File(path, "r") as f:
+        names = []
+        f.visititems(lambda n, obj: names.append(n) if isinstance(obj, h5py.Dataset) else None)
+        raw = np.empty(f[key].shape, np.uint16)
+        f[key].id.read(h5py.h5s.ALL, h5py.h5s.ALL, raw, mtype=f[key].id.get_type())
+    want = model.pattern(model.Piece(key, shape, (0,) * len(shape), shape, 0, 0))
+    return len(names), torch.equal(torch.from_numpy(raw.view(np.int16)), want.view(torch.int16))
+
+
+def report_of(o, job, one):
+    from peers import model, report, system
+    config = model.bench_config(o.size_mib * MiB)
+    nbytes = model.model_bytes(config)
+    r = report.Report()
+    r.set("bytes", nbytes)
+    r.set("model", {"gdp_layers": config.gdp_layers, "mamba_layers": config.mamba_layers, "cols": config.cols,
+                    **model.DIMS, "dtype": "bf16", "tensors": len(model.specs(config, 1))})
+    r.set("layouts", {"save": "TP 2 x GTP 4, alignment 32, 8 gloo processes",
+                      "reshard": "TP 1 x GTP 8, alignment 16", "single": "TP 1 x GTP 1, one process"})
+    r.set("repeat", o.repeat)
+    r.set("read_repeat", o.read_repeat)
+    r.set("cache", system.cache_method())
+    r.set("peak_memory_method", job["peak_method"])
+    r.set("versions", versions())
+    r.set("dcp_sharded_tensor", "ShardedTensor._init_from_local_shards_and_global_metadata")
+    report.distributed(r, job, nbytes)
+    report.single(r, one, nbytes)
+    datasets, equal = h5py_reads(os.path.join(o.dir, "shardckpt-save.h5"), config)
+    r.add("shardckpt_h5py_datasets", datasets, target="h5py reads the checkpoint", met=datasets > 0 and equal)
+    mismatches = job["mismatches"] + one["mismatches"]
+    r.add("mismatches", len(mismatches), note="every load checked")
+    r.set("first_mismatches", mismatches[:5])
+    return r, config, bool(mismatches)
+
+
+def describe(o, config):
+    from peers import model
+    print(f"bench/peers.py: {model.model_bytes(config) / MiB:.1f} MiB ({config.gdp_layers} GDP + "
+          f"{config.mamba_layers} Mamba layers, bf16), {o.repeat} write and {o.read_repeat} read rounds, "
+          f"directory {o.dir}", file=sys.stderr)
+
+
+def main(argv):
+    o = arguments(argv)
+    sys.path.insert(0, HERE)
+    if o.warm_cache:
+        os.environ["PEERS_WARM_CACHE"] = "1"  # the parts inherit it
+    if o.part:
+        from peers import jobs, single
+        (jobs if o.part == "job" else single).main(o.size_mib * MiB, o.dir, o.repeat, o.read_repeat, o.out)
+        return 0
+    from peers import model
+    made = o.dir is None
+    o.dir = o.dir or tempfile.mkdtemp(prefix="shardckpt-peers-")
+    os.makedirs(o.dir, exist_ok=True)
+    if not o.json:
+        describe(o, model.bench_config(o.size_mib * MiB))
+    job_out, single_out = os.path.join(o.dir, "job.json"), os.path.join(o.dir, "single.json")
+    run_job(o, job_out)
+    run_single(o, single_out)
+    with open(job_out) as f, open(single_out) as g:
+        r, config, mismatched = report_of(o, json.load(f), json.load(g))
+    print(r.to_json()) if o.json else r.print_table()
+    if not o.keep:
+        from peers import system
+        for name in OUTPUTS:
+            system.remove(os.path.join(o.dir, name))
+        if made:
+            os.rmdir(o.dir)
+    return 1 if mismatched else 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except Exception as e:  # noqa: BLE001 - a benchmark reports its error and exits 2
+        print(f"bench/peers.py: {e}", file=sys.stderr)
+        sys.exit(2)

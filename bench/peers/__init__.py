@@ -1,0 +1,9 @@
+"""bench/peers.py's parts (docs/performance.md, "Beside PyTorch DCP and safetensors"):
+  model.py           the bench's model (GDP and Mamba layers, bf16), each rank's GTP pieces and shards
+  system.py          the page cache, peak memory, clocks and medians
+  dcp_side.py        PyTorch Distributed Checkpoint: ShardedTensors over the pieces, save, load, async_save
+  shardckpt_side.py  shardckpt through its Python package and TorchGroup: the same four
+  jobs.py            the gloo job of 8 processes: the rounds of every distributed phase
+  single.py          one process: safetensors against shardckpt's save and read, consolidated
+  report.py          the figures, their ratios and spread, the table and --json
+"""

@@ -1,0 +1,115 @@
+"""The figures of bench/peers.py: per phase the median of the rounds and their spread (least and
+greatest), GB/s of the model's bytes, peak resident memory per rank, the checkpoints on disk, and the
+ratios against each peer; printed as a table or as one JSON object (--json)."""
+import json
+import statistics
+
+GB = 1e9
+
+
+class Report:
+    def __init__(self):
+        self.rows, self.extra = [], {}
+
+    def add(self, name, value, spread=None, note="", target=None, met=None):
+        self.rows.append({"name": name, "value": value, "spread": spread, "note": note, "target": target, "met": met})
+
+    def set(self, key, value):
+        self.extra[key] = value
+
+    def targets_met(self):
+        return all(r["met"] is not False for r in self.rows)
+
+    def to_json(self):
+        out = dict(self.extra)
+        out.update({r["name"]: r["value"] for r in self.rows})
+        out["spread"] = {r["name"]: list(r["spread"]) for r in self.rows if r["spread"]}
+        out["targets"] = {r["name"]: {"target": r["target"], "met": r["met"]}
+                          for r in self.rows if r["met"] is not None}
+        out["targets_met"] = self.targets_met()
+        return json.dumps(out, indent=1)
+
+    def print_table(self):
+        print(f"  {'figure':<38} {'value':>14} {'spread (min-max)':>24}   {'target / note':<42} met")
+        for r in self.rows:
+            spread = f"{text(r['spread'][0])}-{text(r['spread'][1])}" if r["spread"] else ""
+            met = "" if r["met"] is None else ("yes" if r["met"] else "NO")
+            print(f"  {r['name']:<38} {text(r['value']):>14} {spread:>24}   {r['target'] or r['note']:<42} {met}")
+
+
+def text(v):
+    if isinstance(v, int) or (isinstance(v, float) and v.is_integer() and abs(v) >= 1000):
+        return str(int(v))
+    return f"{v:.3f}"
+
+
+def seconds(phases, name, key="seconds"):
+    return [r[key] for r in phases[name]]
+
+
+def median_int(values):
+    return int(statistics.median(values))
+
+
+def add_phase(report, phases, name, nbytes, label):
+    """`label`_s, _gbps (median and spread) and the peak memory of one phase."""
+    s = seconds(phases, name)
+    report.add(f"{label}_s", statistics.median(s), (min(s), max(s)))
+    report.add(f"{label}_gbps", nbytes / statistics.median(s) / GB, (nbytes / max(s) / GB, nbytes / min(s) / GB))
+    report.add(f"{label}_peak_extra_bytes", median_int(seconds(phases, name, "peak_extra")),
+               note="per rank, above its RSS before")
+    report.add(f"{label}_peak_rss_bytes", median_int(seconds(phases, name, "peak")), note="per rank, VmHWM")
+
+
+def add_ratio(report, name, slow, fast, note):
+    """median(slow seconds) / median(fast seconds), with the spread of the rounds' own ratios."""
+    per_round = [a / b for a, b in zip(slow, fast)]
+    value = statistics.median(slow) / statistics.median(fast)
+    report.add(name, value, (min(per_round), max(per_round)), target=f">= 1.0 ({note})", met=value >= 1.0)
+
+
+def add_memory(report, phases, peer, ours, what, target=True):
+    """The peer's peak memory per rank / ours (the extra resident bytes at the peak, medians); the
+    target, against DCP: less than the peer."""
+    theirs = median_int(seconds(phases, peer, "peak_extra"))
+    mine = median_int(seconds(phases, ours, "peak_extra"))
+    if target:
+        report.add(f"{what}_peak_ratio", theirs / max(mine, 1), target="> 1.0 (peer's peak / ours)", met=mine < theirs)
+    else:
+        report.add(f"{what}_peak_ratio", theirs / max(mine, 1), note="peer's peak / ours")
+
+
+def distributed(report, job, nbytes):
+    ph = job["phases"]
+    for what in ("save", "load", "reshard"):
+        for side in ("dcp", "shardckpt"):
+            add_phase(report, ph, f"{side}_{what}", nbytes, f"{side}_{what}")
+        add_ratio(report, f"dcp_{what}_ratio", seconds(ph, f"dcp_{what}"), seconds(ph, f"shardckpt_{what}"),
+                  "shardckpt's GB/s / DCP's")
+        add_memory(report, ph, f"dcp_{what}", f"shardckpt_{what}", f"dcp_{what}")
+    for side in ("dcp", "shardckpt"):
+        s, total = seconds(ph, f"{side}_async"), seconds(ph, f"{side}_async", "total")
+        report.add(f"{side}_async_blocking_s", statistics.median(s), (min(s), max(s)))
+        report.add(f"{side}_async_total_s", statistics.median(total), (min(total), max(total)), note="until done")
+        report.add(f"{side}_async_peak_extra_bytes", median_int(seconds(ph, f"{side}_async", "peak_extra")),
+                   note="per rank, until done")
+        report.add(f"{side}_async_staging_bytes", job["staging"][side], note="all ranks, kept for the next save")
+    add_ratio(report, "dcp_async_blocking_ratio", seconds(ph, "dcp_async"), seconds(ph, "shardckpt_async"),
+              "DCP's blocking s / shardckpt's")
+    for side in ("dcp", "shardckpt"):
+        report.add(f"{side}_bytes_on_disk", job["disk"][side]["bytes"])
+        report.add(f"{side}_files", job["disk"][side]["files"])
+
+
+def single(report, one, nbytes):
+    ph = one["phases"]
+    for name in ("safetensors_save", "shardckpt_single_save", "safetensors_load", "shardckpt_read"):
+        add_phase(report, ph, name, nbytes, name)
+    add_ratio(report, "safetensors_save_ratio", seconds(ph, "safetensors_save"), seconds(ph, "shardckpt_single_save"),
+              "shardckpt's GB/s / safetensors'")
+    add_ratio(report, "safetensors_load_ratio", seconds(ph, "safetensors_load"), seconds(ph, "shardckpt_read"),
+              "shardckpt read / load_file")
+    add_memory(report, ph, "safetensors_save", "shardckpt_single_save", "safetensors_save", target=False)
+    add_memory(report, ph, "safetensors_load", "shardckpt_read", "safetensors_load", target=False)
+    for side in ("safetensors", "shardckpt"):
+        report.add(f"{side}_single_bytes_on_disk", one["disk"][side]["bytes"])
