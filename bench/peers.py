@@ -10,7 +10,7 @@ and safetensors"), in one run on one machine, on the same sharded state:
 
 Run it with the Python of the peers' environment (scripts/setup.sh --peers):
 
-    build/peers-venv/bin/python bench/peers.py [--size-mib 1024] [--repeat 5] [--json]
+    build/peers-venv/bin/python bench/peers.py [--size-mib 1024] [--repeat 7] [--json]
 
 The exit code is 0 whatever the figures, 1 if a loaded value differs from what was saved, 2 on an
 error.
@@ -34,8 +34,8 @@ OUTPUTS = ("job.json", "single.json", "dcp-save", "dcp-async", "shardckpt-save.h
 def arguments(argv):
     a = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     a.add_argument("--size-mib", type=int, default=1024, help="model size (default 1024: 1 GiB)")
-    a.add_argument("--repeat", type=int, default=5, help="rounds of writes (default 5)")
-    a.add_argument("--read-repeat", type=int, default=5, help="rounds of reads (default 5)")
+    a.add_argument("--repeat", type=int, default=7, help="rounds of writes (default 7)")
+    a.add_argument("--read-repeat", type=int, default=7, help="rounds of reads (default 7)")
     a.add_argument("--dir", help="where the checkpoints go (default: a new directory in /tmp)")
     a.add_argument("--json", action="store_true", help="one JSON object: every figure, its spread and target")
     a.add_argument("--keep", action="store_true", help="keep the checkpoints")
@@ -165,18 +165,24 @@ def main(argv):
     if not o.json:
         describe(o, model.bench_config(o.size_mib * MiB))
     job_out, single_out = os.path.join(o.dir, "job.json"), os.path.join(o.dir, "single.json")
-    run_job(o, job_out)
-    run_single(o, single_out)
-    with open(job_out) as f, open(single_out) as g:
-        r, config, mismatched = report_of(o, json.load(f), json.load(g))
+    try:
+        run_job(o, job_out)
+        run_single(o, single_out)
+        with open(job_out) as f, open(single_out) as g:
+            r, config, mismatched = report_of(o, json.load(f), json.load(g))
+    finally:
+        if not o.keep:
+            clean(o.dir, made)
     print(r.to_json()) if o.json else r.print_table()
-    if not o.keep:
-        from peers import system
-        for name in OUTPUTS:
-            system.remove(os.path.join(o.dir, name))
-        if made:
-            os.rmdir(o.dir)
     return 1 if mismatched else 0
+
+
+def clean(directory, made):
+    from peers import system
+    for name in OUTPUTS:
+        system.remove(os.path.join(directory, name))
+    if made:
+        os.rmdir(directory)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """One process, consolidated weights (TP 1 x GTP 1): safetensors' save_file and load_file of every
 parameter's whole weight (fused blocks joined in row order), against shardckpt's save and read of the
-same tensors. Interleaved rounds, the page cache dropped before each."""
+same tensors; and both into tensors that exist before the load, as a model's parameters do
+(load_file and copy_, as safetensors.torch.load_model does, against shardckpt's load_into).
+Interleaved rounds, the page cache dropped before each."""
 import json
 import os
 import time
@@ -36,6 +38,10 @@ class Single:
         self.state = sc.StateDict()
         for rp in whole.params:
             self.state.add(sc.ShardedParam(rp.spec, gtp=1, align=1, tp_rank=0, gtp_rank=0, shard=rp.shard))
+        self.dest = model.rank_model(config, WHOLE, 0, fill=False)  # a model's parameters, touched once
+        self.into = sc.StateDict()
+        for rp in self.dest.params:
+            self.into.add(sc.ShardedParam(rp.spec, gtp=1, align=1, tp_rank=0, gtp_rank=0, shard=rp.shard))
         self.paths = {"safetensors": os.path.join(directory, "model.safetensors"),
                       "shardckpt": os.path.join(directory, "whole.h5")}
 
@@ -71,6 +77,18 @@ class Single:
                 self.mismatches.append(f"{side}: {key} differs from what was saved")
         del loaded
 
+    def load_into(self, side):
+        def safetensors_into():
+            loaded = load_file(self.paths["safetensors"])
+            for rp in self.dest.params:
+                rp.shard.copy_(loaded[rp.spec.key])
+        model.poison(self.dest)
+        fn = safetensors_into if side == "safetensors" else lambda: sc.load_into(self.paths["shardckpt"], self.into)
+        self.timed(f"{side}_single_load_into", fn)
+        for rp in self.dest.params:
+            if not torch.equal(rp.shard.view(torch.int16), self.tensors[rp.spec.key].view(torch.int16)):
+                self.mismatches.append(f"{side} into existing tensors: {rp.spec.key} differs from what was saved")
+
     def run(self, rounds, read_rounds):
         for _ in range(rounds):
             self.timed("safetensors_save", self.save_safetensors, remove=self.paths["safetensors"])
@@ -78,6 +96,8 @@ class Single:
         for _ in range(read_rounds):
             for side in ("safetensors", "shardckpt"):
                 self.load(side)
+            for side in ("safetensors", "shardckpt"):
+                self.load_into(side)
         return {"phases": self.records, "mismatches": self.mismatches,
                 "disk": {side: dict(zip(("bytes", "files"), system.on_disk(p))) for side, p in self.paths.items()}}
 
