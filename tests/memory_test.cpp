@@ -26,6 +26,7 @@ import shardckpt.demo;
 
 using namespace shardckpt;
 using testing_support::host_mismatches;
+using testing_support::CountingShard;
 using testing_support::Recording;
 using testing_support::tiny_model;
 using testing_support::error_of;
@@ -119,13 +120,8 @@ TEST(DeviceSave, CopiesOverlapWritesThroughTwoReusedBuffers) {
   ScratchDir dir;
   const auto device = std::make_shared<EmulatedDevice>();
   const auto engine = std::make_shared<Recording>(*device);
-  SharedBuffer shard = device->allocate_device(DType::f32, {64, 16});  // 4 KiB
-  std::vector<float> values(64 * 16);
-  for (std::size_t i = 0; i < values.size(); ++i) values[i] = static_cast<float>(i);
-  device->copy_to_device(TensorView::unchecked(values.data(), DType::f32, {64, 16}), shard.mut_view());
-  device->wait(device->fence());
-  StateDict s;
-  s.add(ShardedTensor::of("t", shard, {64, 16}, {0, 0}));
+  CountingShard t(*device);
+  StateDict s = t.state();
   SoloGroup solo;
   Saver saver(solo, {.engine = engine, .staging_buffer_bytes = 512});  // 8 rows a buffer: 8 copies
   const auto pinned = device->stats().pinned_allocations;
@@ -137,10 +133,7 @@ TEST(DeviceSave, CopiesOverlapWritesThroughTwoReusedBuffers) {
   EXPECT_EQ(calls[2], "wait");
   EXPECT_EQ(std::count(calls.begin(), calls.end(), "to_host"), 8);
   EXPECT_EQ(device->stats().pinned_allocations, pinned);  // the pool is reused, never grown
-  const CheckpointReader reader(dir / "a.h5");
-  HostBuffer back = HostBuffer::uninitialized(DType::f32, {64, 16});
-  reader.read(reader.dataset("t"), whole_box(std::vector<std::int64_t>{64, 16}), back.mut_view());
-  EXPECT_EQ(std::memcmp(back.view().data(), values.data(), back.bytes()), 0);
+  EXPECT_TRUE(t.saved_in(dir / "a.h5"));
 }
 
 TEST(DeviceSave, TenSavesAllocateNoDeviceMemoryAndNoMorePinnedMemory) {

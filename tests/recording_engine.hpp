@@ -2,6 +2,8 @@
 // headers and the modules): it forwards every call to a real engine, records the order of its calls
 // beside notes the test adds (writes, the caller's progress), and can fail one copy on purpose.
 #pragma once
+#include <cstring>
+#include <filesystem>
 #include <mutex>
 #include <string>
 #include <string_view>
@@ -59,6 +61,32 @@ class Recording final : public shardckpt::CopyEngine {
   int fail_copy_;
   std::mutex mutex_;
   std::vector<std::string> calls_;
+};
+
+// What a device-save test saves: the 64 x 16 f32 tensor "t" in device memory, holding 0, 1, 2, ...
+// (4 KiB), and whether a checkpoint holds it.
+struct CountingShard {
+  static constexpr std::int64_t rows = 64, cols = 16;
+  std::vector<float> values = std::vector<float>(rows * cols);
+  shardckpt::SharedBuffer shard;
+
+  explicit CountingShard(shardckpt::CopyEngine& device) : shard(device.allocate_device(shardckpt::DType::f32, {rows, cols})) {
+    for (std::size_t i = 0; i < values.size(); ++i) values[i] = static_cast<float>(i);
+    device.copy_to_device(shardckpt::TensorView::unchecked(values.data(), shardckpt::DType::f32, {rows, cols}),
+                          shard.mut_view());
+    device.wait(device.fence());
+  }
+  shardckpt::StateDict state() {
+    shardckpt::StateDict s;
+    s.add(shardckpt::ShardedTensor::of("t", shard, {rows, cols}, {0, 0}));
+    return s;
+  }
+  bool saved_in(const std::filesystem::path& file) const {
+    const shardckpt::CheckpointReader reader(file);
+    shardckpt::HostBuffer back = shardckpt::HostBuffer::uninitialized(shardckpt::DType::f32, {rows, cols});
+    reader.read(reader.dataset("t"), shardckpt::whole_box(std::vector<std::int64_t>{rows, cols}), back.mut_view());
+    return std::memcmp(back.view().data(), values.data(), back.bytes()) == 0;
+  }
 };
 
 }  // namespace testing_support

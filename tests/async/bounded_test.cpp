@@ -23,13 +23,8 @@ TEST(BoundedAsyncSave, ReturnsBeforeAnyByteIsCopiedAndStreamsThroughTheBudget) {
   ScratchDir dir;
   const auto device = std::make_shared<EmulatedDevice>();
   const auto engine = std::make_shared<Recording>(*device);
-  SharedBuffer shard = device->allocate_device(DType::f32, {64, 16});  // 4 KiB
-  std::vector<float> values(64 * 16);
-  for (std::size_t i = 0; i < values.size(); ++i) values[i] = static_cast<float>(i);
-  device->copy_to_device(TensorView::unchecked(values.data(), DType::f32, {64, 16}), shard.mut_view());
-  device->wait(device->fence());
-  StateDict s;
-  s.add(ShardedTensor::of("t", shard, {64, 16}, {0, 0}));
+  CountingShard t(*device);
+  StateDict s = t.state();
   Gate planning, committing;
   SaverOptions o{.engine = engine, .staging_buffer_bytes = 512, .save = held_at(&planning, &committing)};
   o.save.progress = [&](std::int64_t) { engine->note("write"); };
@@ -62,10 +57,7 @@ TEST(BoundedAsyncSave, ReturnsBeforeAnyByteIsCopiedAndStreamsThroughTheBudget) {
   EXPECT_GT(last_of(calls, "staged"), last_of(calls, "to_host"));
   EXPECT_GT(last_of(calls, "staged"), last_of(calls, "wait"));
   EXPECT_EQ(device->stats().pinned_allocations, before.pinned_allocations);  // the budget was allocated once
-  const CheckpointReader reader(dir / "a.h5");
-  HostBuffer back = HostBuffer::uninitialized(DType::f32, {64, 16});
-  reader.read(reader.dataset("t"), whole_box(std::vector<std::int64_t>{64, 16}), back.mut_view());
-  EXPECT_EQ(std::memcmp(back.view().data(), values.data(), back.bytes()), 0);
+  EXPECT_TRUE(t.saved_in(dir / "a.h5"));
 }
 
 // Many ranks, host and device shards (on a device that runs its stream only when waited for), with

@@ -28,6 +28,7 @@ using testing_support::contains;
 using testing_support::error_of;
 using testing_support::file_bytes;
 using testing_support::host_mismatches;
+using testing_support::CountingShard;
 using testing_support::Recording;
 using testing_support::ScratchDir;
 using testing_support::tiny_model;
