@@ -4,6 +4,8 @@
 #pragma once
 #include <pybind11/pybind11.h>
 
+#include <dlpack/dlpack.h>
+
 #include <memory>
 #include <string>
 #include <string_view>
@@ -18,6 +20,10 @@ namespace py = pybind11;
 // library lacks is TypeError, a non-contiguous tensor, a scalar or too many dims ValueError, each
 // naming `key`.
 SharedBuffer buffer_from_dlpack(py::handle tensor, std::string_view key);
+
+// `managed` in an unused "dltensor" capsule, which runs its deleter unless a consumer took it (and
+// runs it at once when no capsule can be made).
+py::capsule dlpack_capsule(DLManagedTensor* managed);
 
 // A library-owned buffer as a Python object with __dlpack__ and __dlpack_device__ (torch.from_dlpack
 // and numpy.from_dlpack take it without copying); it shares the buffer's ownership.

@@ -137,13 +137,6 @@ struct Exported {
 
 void delete_exported(DLManagedTensor* managed) { delete static_cast<Exported*>(managed->manager_ctx); }
 
-// A capsule's destructor: a capsule nobody consumed still owns its tensor.
-void delete_capsule(PyObject* capsule) {
-  if (!PyCapsule_IsValid(capsule, capsule_name)) return;
-  auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, capsule_name));
-  if (managed && managed->deleter) managed->deleter(managed);
-}
-
 DLDevice device_of(MemorySpace space) {
   switch (space.kind) {
     case MemoryKind::host: return {kDLCPU, 0};
@@ -169,13 +162,7 @@ py::capsule capsule_of(const SharedBuffer& buffer) {
   t.byte_offset = 0;
   exported->managed.manager_ctx = exported.get();
   exported->managed.deleter = delete_exported;
-  DLManagedTensor* managed = &exported.release()->managed;
-  PyObject* capsule = PyCapsule_New(managed, capsule_name, delete_capsule);
-  if (capsule == nullptr) {
-    delete_exported(managed);
-    throw py::error_already_set();
-  }
-  return py::reinterpret_steal<py::capsule>(capsule);
+  return dlpack_capsule(&exported.release()->managed);
 }
 
 // The Python face of a library-owned buffer.
@@ -192,6 +179,22 @@ SharedBuffer buffer_from_dlpack(py::handle tensor, std::string_view key) {
                              ", not a tensor with __dlpack__ (torch, numpy, JAX, CuPy)"));
   py::object capsule = tensor.attr("__dlpack__")();
   return buffer_of(take_capsule(capsule, key), key);
+}
+
+// A capsule's destructor: a capsule nobody consumed still owns its tensor.
+static void delete_capsule(PyObject* capsule) {
+  if (!PyCapsule_IsValid(capsule, capsule_name)) return;
+  auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, capsule_name));
+  if (managed && managed->deleter) managed->deleter(managed);
+}
+
+py::capsule dlpack_capsule(DLManagedTensor* managed) {
+  PyObject* capsule = PyCapsule_New(managed, capsule_name, delete_capsule);
+  if (capsule == nullptr) {
+    managed->deleter(managed);
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::capsule>(capsule);
 }
 
 py::object tensor_object(SharedBuffer buffer) { return py::cast(LibraryTensor{std::move(buffer)}); }

@@ -40,17 +40,7 @@ py::capsule lend_bytes(MutTensorView rows) {
   t.shape = &lent->bytes;
   lent->managed.manager_ctx = lent.get();
   lent->managed.deleter = [](DLManagedTensor* m) { delete static_cast<Lent*>(m->manager_ctx); };
-  DLManagedTensor* managed = &lent.release()->managed;
-  PyObject* capsule = PyCapsule_New(managed, "dltensor", [](PyObject* c) {
-    if (!PyCapsule_IsValid(c, "dltensor")) return;
-    auto* m = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(c, "dltensor"));
-    if (m && m->deleter) m->deleter(m);
-  });
-  if (capsule == nullptr) {
-    managed->deleter(managed);
-    throw py::error_already_set();
-  }
-  return py::reinterpret_steal<py::capsule>(capsule);
+  return dlpack_capsule(&lent.release()->managed);
 }
 
 std::vector<std::byte> bytes_of(py::handle b) {

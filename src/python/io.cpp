@@ -91,8 +91,6 @@ struct GroupArg {
   std::unique_ptr<ProcessGroup> group;
   explicit GroupArg(py::handle g) : group(g.is_none() ? std::make_unique<SoloGroup>() : group_of(g)) {}
   ProcessGroup& get() { return *group; }
-  // The Python group's last reference may go only with the GIL.
-  ~GroupArg() = default;
 };
 
 py::dict tensors_dict(LoadedState& loaded) {
