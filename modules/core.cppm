@@ -39,6 +39,7 @@ enum class Errc : std::uint8_t {
   resources,                  // not enough memory, file descriptors or threads for what was asked
   shard_changed,              // a shard changed while an async save still read it (check_unchanged)
   internal,                   // anything else, carried across ranks as text
+  committed_peer_failed,      // the save committed its checkpoint, then a peer failed (the file is complete)
 };
 
 std::string_view errc_name(Errc code) noexcept;
@@ -85,6 +86,17 @@ void require(bool ok, Errc code, const Parts&... parts) {
   if (!ok) [[unlikely]]
     throw Error(code, cat(parts...));
 }
+
+// The longest name (a key, a section, an optimizer state's name) the library stores: HDF5 refuses
+// attribute names near 64 KiB, and no model needs a name this long.
+inline constexpr std::size_t max_name_bytes = 4096;
+
+// Refuses a name the file could not hold exactly: empty, longer than max_name_bytes, or with a NUL
+// byte (HDF5 ends a name at its first NUL, so 't\0u' would come back as 't'). `what` says what the
+// name names ("a state dict key").
+void require_name(std::string_view name, std::string_view what);
+// Refuses a string value the file could not hold exactly: one with a NUL byte.
+void require_text(std::string_view key, std::string_view value);
 
 // A shape in messages: [6, 4].
 std::string dims_text(std::span<const std::int64_t> dims);

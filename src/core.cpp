@@ -61,10 +61,37 @@ std::string_view errc_name(Errc code) noexcept {
       return "resources";
     case Errc::shard_changed:
       return "shard_changed";
+    case Errc::committed_peer_failed:
+      return "committed_peer_failed";
     case Errc::internal:
       return "internal";
   }
   return "unknown";
+}
+
+namespace {
+// A name as a message shows it: a NUL as \0, and a long one cut to its first 64 bytes.
+std::string shown(std::string_view name) {
+  std::string out;
+  for (char c : name.substr(0, 64)) out += c == '\0' ? std::string("\\0") : std::string(1, c);
+  if (name.size() > 64) out += cat("... (", name.size(), " bytes)");
+  return out;
+}
+}  // namespace
+
+void require_name(std::string_view name, std::string_view what) {
+  require(!name.empty(), Errc::invalid_argument, what, " must not be empty");
+  require(name.size() <= max_name_bytes, Errc::invalid_argument, what, " '", shown(name), "' is longer than ",
+          max_name_bytes, " bytes, the longest name shardckpt stores");
+  const auto nul = name.find('\0');
+  require(nul == std::string_view::npos, Errc::invalid_argument, what, " '", shown(name),
+          "' has a NUL byte at byte ", nul, ": HDF5 would cut the name there");
+}
+
+void require_text(std::string_view key, std::string_view value) {
+  const auto nul = value.find('\0');
+  require(nul == std::string_view::npos, Errc::invalid_argument, "the value of '", shown(key), "' ('", shown(value),
+          "') has a NUL byte at byte ", nul, ": HDF5 would cut the string there");
 }
 
 std::string dims_text(std::span<const std::int64_t> dims) {

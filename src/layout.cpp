@@ -145,6 +145,7 @@ std::int64_t ParamSpec::row_elems() const { return element_count(trailing, cat(k
 void validate(const ParamSpec& spec) {
   require(!spec.key.empty() && spec.key.find('/') == std::string::npos && spec.key[0] != '_', Errc::invalid_argument,
           "parameter key '", spec.key, "' must be non-empty, contain no '/' and not start with '_'");
+  require_name(spec.key, "a parameter key");
   require(spec.tp >= 1, Errc::layout, spec.key, ": TP must be at least 1 (got ", spec.tp, ")");
   validate_divisors(spec);
   require_tp_divides(spec.key, spec.divisors, spec.tp);
@@ -153,6 +154,7 @@ void validate(const ParamSpec& spec) {
   for (const Section& s : spec.sections) {
     require(s.rows > 0, Errc::layout, spec.key, ": section '", s.name, "' has ", s.rows,
             " rows; sections must be positive");
+    if (!s.name.empty()) require_name(s.name, cat(spec.key, ": a section name"));
     require(names.insert(s.name).second, Errc::layout, spec.key, ": section name '", s.name, "' appears twice");
     require(s.name.find('/') == std::string::npos, Errc::invalid_argument, spec.key, ": section name '", s.name,
             "' contains '/'");

@@ -52,6 +52,7 @@ Range distributed_range(const ShardedParam& param, int rank, int ranks) {
 }
 
 ShardedParam optimizer_state(const ShardedParam& param, std::string_view name, DType dtype) {
+  require_name(name, "an optimizer state's name");
   ShardedParam out = param;
   out.spec.key = cat(optimizer_state_prefix, name, ".", param.spec.key);
   out.dtype = dtype;
@@ -60,7 +61,7 @@ ShardedParam optimizer_state(const ShardedParam& param, std::string_view name, D
 }
 
 void StateDict::claim_key(const std::string& key) {
-  require(!key.empty(), Errc::invalid_argument, "a state dict key must not be empty");
+  require_name(key, "a state dict key");
   require(keys_.emplace(key, 0).second, Errc::invalid_argument, "key ", key, " appears twice in the state dict");
 }
 
@@ -89,6 +90,7 @@ void StateDict::add(ShardedParam param) {
 }
 
 void StateDict::add_common(std::string key, CommonValue value) {
+  if (const auto* text = std::get_if<std::string>(&value)) require_text(key, *text);
   claim_key(key);
   common_.emplace(std::move(key), std::move(value));
 }

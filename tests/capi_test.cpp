@@ -300,7 +300,8 @@ TEST(CApiNames, CodesAndVersionHaveNames) {
   EXPECT_STREQ(shardckpt_errc_name(SHARDCKPT_ERR_MISSING_KEY), "missing_key");
   EXPECT_STREQ(shardckpt_errc_name(SHARDCKPT_ERR_INTERNAL), "internal");
   EXPECT_STREQ(shardckpt_errc_name(SHARDCKPT_ERR_SHARD_CHANGED), "shard_changed");
-  EXPECT_STREQ(shardckpt_errc_name(SHARDCKPT_ERR_INTERNAL + 1), "unknown");
+  EXPECT_STREQ(shardckpt_errc_name(SHARDCKPT_ERR_COMMITTED_PEER_FAILED), "committed_peer_failed");
+  EXPECT_STREQ(shardckpt_errc_name(SHARDCKPT_ERR_COMMITTED_PEER_FAILED + 1), "unknown");
   EXPECT_STREQ(shardckpt_errc_name(-1), "unknown");
   EXPECT_GT(std::strlen(shardckpt_version()), 0u);
 }

@@ -39,7 +39,8 @@ typedef enum shardckpt_errc {
   SHARDCKPT_ERR_DEVICE = 14,                   /* a device or its runtime failed */
   SHARDCKPT_ERR_RESOURCES = 15,                /* not enough memory, file descriptors or threads */
   SHARDCKPT_ERR_SHARD_CHANGED = 16,            /* a shard changed while an async save still read it */
-  SHARDCKPT_ERR_INTERNAL = 17                  /* anything else */
+  SHARDCKPT_ERR_INTERNAL = 17,                 /* anything else */
+  SHARDCKPT_ERR_COMMITTED_PEER_FAILED = 18     /* the save committed the checkpoint, then another rank failed */
 } shardckpt_errc;
 
 /* Element types, in shardckpt::DType's order. */

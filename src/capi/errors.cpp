@@ -22,7 +22,8 @@ static_assert(SHARDCKPT_ERR_MATERIALIZATION_FORBIDDEN == static_cast<int>(Errc::
 static_assert(SHARDCKPT_ERR_RESOURCES == static_cast<int>(Errc::resources) + 1);
 static_assert(SHARDCKPT_ERR_SHARD_CHANGED == static_cast<int>(Errc::shard_changed) + 1);
 static_assert(SHARDCKPT_ERR_INTERNAL == static_cast<int>(Errc::internal) + 1);
-constexpr int last_errc = SHARDCKPT_ERR_INTERNAL;
+static_assert(SHARDCKPT_ERR_COMMITTED_PEER_FAILED == static_cast<int>(Errc::committed_peer_failed) + 1);
+constexpr int last_errc = SHARDCKPT_ERR_COMMITTED_PEER_FAILED;
 
 }  // namespace
 

@@ -38,6 +38,12 @@ namespace {
 
 namespace fs = std::filesystem;
 
+// A digest of bytes a rank sent or received, to compare across ranks (not a defence against an
+// adversary: against a process group that garbles or mixes up what it delivers).
+std::uint64_t digest(std::span<const std::byte> bytes) {
+  return std::hash<std::string_view>{}(std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
+}
+
 // The datasets whose first element this rank writes: the one rank that sends a parameter's record
 // is the one that writes the first element of its first block.
 std::set<std::string_view> first_elements(const SavePlan& plan) {
@@ -67,10 +73,16 @@ struct Planned {
 Planned validate_in_parts(const std::vector<std::span<const std::byte>>& payloads, CheckpointContents& contents) {
   Planned out;
   std::int64_t claims_total = 0;
-  for (std::span<const std::byte> p : payloads) {
-    Reader r(p);
+  std::string first_path;
+  for (std::size_t rank = 0; rank < payloads.size(); ++rank) {
+    Reader r(payloads[rank]);
+    // Every rank names the same file, or none of them saves: rank 0's path alone would be written.
+    std::string path = r.str();
+    if (rank == 0) first_path = std::move(path);
+    require(rank == 0 || path == first_path, Errc::invalid_argument, "the ranks name different paths: rank 0 saves to '",
+            first_path, "', rank ", rank, " to '", path, "'");
     out.first_checksums.push_back(out.checksum_rows);
-    out.checksum_rows = checked_add(out.checksum_rows, r.i64(), "checksum checksum_rows of all ranks");
+    out.checksum_rows = checked_add(out.checksum_rows, r.i64(), "checksummed rows of all ranks");
     claims_total = checked_add(claims_total, r.i64(), "claims of all ranks");
   }
   const auto parts =
@@ -81,6 +93,7 @@ Planned validate_in_parts(const std::vector<std::span<const std::byte>>& payload
     std::vector<std::int64_t> firsts;
     for (std::size_t rank = 0; rank < payloads.size(); ++rank) {
       Reader r(payloads[rank]);
+      (void)r.str();  // the path, compared above
       const std::int64_t checksum_rows = r.i64();
       std::int64_t running = 0;
       for (std::int64_t n = r.i64(); n > 0; --n) {
@@ -90,9 +103,9 @@ Planned validate_in_parts(const std::vector<std::span<const std::byte>>& payload
           firsts.push_back(out.first_checksums[rank] + running);
           claims.push_back(std::move(c));
         }
-        running = checked_add(running, u, "checksum checksum_rows of a rank");
+        running = checked_add(running, u, "checksummed rows of a rank");
       }
-      require(running == checksum_rows, Errc::internal, "rank ", rank, " announced ", checksum_rows, " checksum checksum_rows but claims ",
+      require(running == checksum_rows, Errc::internal, "rank ", rank, " announced ", checksum_rows, " checksummed rows but claims ",
               running);
       if (part > 0) continue;
       for (std::int64_t n = r.i64(); n > 0; --n) {
@@ -112,13 +125,14 @@ Planned validate_in_parts(const std::vector<std::span<const std::byte>>& payload
 }
 
 
-// What a rank sends rank 0 in planning: its number of checksummed rows, its claims, the parameter records whose
+// What a rank sends rank 0 in planning: the path it names, its number of checksummed rows, its claims, the parameter records whose
 // first element it writes, and (rank 0) the common values.
-Bytes planning_payload(const SavePlan& plan, int me) {
+Bytes planning_payload(const SavePlan& plan, const fs::path& path, int me) {
   const std::vector<Claim> claims = claims_of(plan, me);
   std::int64_t checksum_rows = 0;
-  for (const Claim& c : claims) checksum_rows = checked_add(checksum_rows, claim_checksums(c), "checksum checksum_rows");
+  for (const Claim& c : claims) checksum_rows = checked_add(checksum_rows, claim_checksums(c), "checksummed rows");
   Writer w;
+  w.str(path.lexically_normal().string());
   w.i64(checksum_rows);
   w.i64(static_cast<std::int64_t>(plan.items.size()));
   for (const SaveItem& i : plan.items) put_claim(w, i);
@@ -141,6 +155,8 @@ struct Destination {
   std::string name;
   io::SharedIdentity identity;
   std::vector<Range> data;  // rank 0: the skeleton's raw data byte ranges, which the seal leaves out
+  std::vector<std::uint64_t> received;  // rank 0: the digest of each rank's planning payload, as received
+  bool committed = false;               // rank 0: the checkpoint is at its path
 
   io::File& file() { return temp ? temp->file() : *opened; }
 };
@@ -153,6 +169,7 @@ Bytes create_checkpoint(const std::vector<std::span<const std::byte>>& payloads,
   CheckpointContents contents;
   contents.id = io::random_id();
   contents.checksummed = options.checksums;
+  for (std::span<const std::byte> p : payloads) dest.received.push_back(digest(p));
   Planned planned = validate_in_parts(payloads, contents);
   if (!options.checksums) planned.checksum_rows = 0;
   io::Destination where = io::Destination::of(path);
@@ -200,6 +217,66 @@ Created read_verdict(const Bytes& verdict, const SavePlan& plan, int me, int ran
   return out;
 }
 
+// What a rank sent and received in planning, as digests: rank 0 commits only when every rank's match
+// what it received and sent. A process group that delivers other bytes than were sent (a planning
+// payload, or the verdict that places each rank's rows and checksums) would otherwise commit a file
+// whose checksums do not describe it.
+struct Digests {
+  std::uint64_t sent = 0, verdict = 0;
+};
+
+Bytes digests_payload(const Digests& d) {
+  Writer w;
+  w.i64(static_cast<std::int64_t>(d.sent));
+  w.i64(static_cast<std::int64_t>(d.verdict));
+  return w.take();
+}
+
+void check_digests(const std::vector<std::span<const std::byte>>& payloads, const Destination& dest,
+                   std::uint64_t verdict) {
+  for (std::size_t rank = 0; rank < payloads.size(); ++rank) {
+    Reader r(payloads[rank]);
+    const auto sent = static_cast<std::uint64_t>(r.i64());
+    const auto seen = static_cast<std::uint64_t>(r.i64());
+    require(rank < dest.received.size() && sent == dest.received[rank], Errc::collective, "the process group delivered "
+            "other bytes to rank 0 than rank ", rank, " sent in planning: nothing is committed");
+    require(seen == verdict, Errc::collective, "the process group delivered other bytes to rank ", rank,
+            " than rank 0 sent as the planning verdict: nothing is committed");
+  }
+}
+
+// The last step: every rank has written and synced its pieces and closes the file; rank 0 checks the
+// digests, seals and commits, and tells every rank. A rank whose group fails after that learns what
+// it can: rank 0 knows the checkpoint is committed (Errc::committed_peer_failed), the others that
+// the outcome is unknown to them.
+void commit(ProcessGroup& group, Destination& dest, const Digests& mine) {
+  const std::string_view phase = "committing the checkpoint";
+  const std::vector<Bytes> gathered = Protocol::gather(group, outcome([&] {
+    if (dest.opened) dest.opened->close();
+    return digests_payload(mine);
+  }), 0);
+  Bytes verdict;
+  if (group.rank() == 0)
+    verdict = outcome([&] {
+      check_digests(payloads_or_throw(phase, gathered), dest, mine.verdict);
+      mark_complete(dest.temp->file(), dest.data);
+      dest.temp->commit();
+      dest.committed = true;
+      return Bytes();
+    });
+  Bytes shared;
+  try {
+    shared = group.broadcast(verdict, 0);
+  } catch (const std::exception& e) {
+    if (dest.committed)
+      throw Error(Errc::committed_peer_failed, cat("the checkpoint is committed and complete, but the process group "
+                                                   "failed as rank 0 told the other ranks: ", e.what()));
+    throw Error(Errc::collective, cat("the process group failed while rank 0 committed the checkpoint: whether it "
+                                      "did is unknown to rank ", group.rank(), " (verify the path): ", e.what()));
+  }
+  (void)payload_or_throw(shared);
+}
+
 // Every rank writes its own pieces and their checksums: all at once on the raw path; on the
 // hyperslab path one rank at a time, since HDF5 must not have one file open for writing in two
 // processes. Each rank first opens the temporary file rank 0 created and checks that it is that file.
@@ -235,34 +312,32 @@ void save_with(const std::function<SavePlan()>& make_plan, const fs::path& path,
   Destination dest;
   try {
     SavePlan plan;
+    Digests digests;
     phase(SavePhase::planning);
     // 1. Every rank's claims reach rank 0 only, which validates them all together before anything
     // touches the disk and creates the file with every dataset at its global shape.
-    const Created created = read_verdict(decide_at_root(
-                                             group, "planning, validating and creating the checkpoint",
-                                             [&] {
-                                               plan = make_plan();
-                                               return planning_payload(plan, me);
-                                             },
-                                             [&](const std::vector<std::span<const std::byte>>& payloads) {
-                                               return create_checkpoint(payloads, path, options, dest);
-                                             }),
-                                         plan, me, group.size(), dest);
+    const Bytes verdict = decide_at_root(
+        group, "planning, validating and creating the checkpoint",
+        [&] {
+          plan = make_plan();
+          Bytes payload = planning_payload(plan, path, me);
+          digests.sent = digest(payload);
+          return payload;
+        },
+        [&](const std::vector<std::span<const std::byte>>& payloads) {
+          return create_checkpoint(payloads, path, options, dest);
+        });
+    digests.verdict = digest(verdict);
+    const Created created = read_verdict(verdict, plan, me, group.size(), dest);
     // 2. Every rank writes and syncs its pieces.
     phase(SavePhase::writing);
     write_pieces(group, plan, created, dest, options, staged);
     // 3. Only when every rank has written and synced its pieces does rank 0 seal and commit.
     phase(SavePhase::committing);
-    agree(group, "committing the checkpoint", [&] {
-      if (dest.opened) dest.opened->close();
-      if (dest.temp) {
-        mark_complete(dest.temp->file(), dest.data);
-        dest.temp->commit();
-      }
-    });
+    commit(group, dest, digests);
     phase(SavePhase::committed);
   } catch (Error& e) {
-    // Nothing was committed; the temporary file rank 0 created goes.
+    // Unless rank 0 committed it, the temporary file it created goes (after a commit, nothing does).
     if (dest.temp) dest.temp->discard();
     throw std::move(e.add_context(cat("saving ", path.string())));
   }

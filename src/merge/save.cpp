@@ -50,10 +50,16 @@ void add_param_items(const ShardedParam& p, bool share, SavePlan& out) {
           " give shards of shape ", dims_text(p.shard_shape().dims()));
   out.params.push_back(record_of(p.spec));
   if (p.flat) {
-    for (const Piece& piece : plan.pieces)
-      for (const FlatPart& part : flat_parts(piece, plan.row_elems, {p.flat->begin, p.flat->end}))
+    for (const Piece& piece : plan.pieces) {
+      const std::vector<FlatPart> parts = flat_parts(piece, plan.row_elems, {p.flat->begin, p.flat->end});
+      for (const FlatPart& part : parts)
         out.items.push_back({piece.key, p.dtype, piece.global_shape, part.box, plan.main_replica,
                              reshaped(shard, part.range_offset, part.box.rows.size(), part.box.cols.size())});
+      // A flat range that holds none of the piece still names its block, with an empty box: the
+      // checks across ranks then see the key and the rows nobody holds, rather than no key at all.
+      if (parts.empty())
+        out.items.push_back({piece.key, p.dtype, piece.global_shape, Box{}, plan.main_replica, reshaped(shard, 0, 0, 0)});
+    }
     return;
   }
   const Range mine = own_rows(plan.real_rows, p.replica_id, p.replicas, share);

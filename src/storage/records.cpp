@@ -21,6 +21,7 @@ void require_key(std::string_view key, std::string_view what) {
   require(!key.empty() && key.find('/') == std::string_view::npos && key != "." && key[0] != '_',
           Errc::invalid_argument, "key '", key, "' cannot name ", what,
           ": it must be non-empty, contain no '/' and not start with '_'");
+  require_name(key, cat("the key of ", what));
 }
 
 namespace {

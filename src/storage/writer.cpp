@@ -83,6 +83,7 @@ void write_metadata(hid_t file, const CheckpointContents& contents, const Where&
   Hid common = hdf5::create_group(file, common_group, w);
   for (const auto& [key, value] : contents.common) {
     require_key(key, "a common value");
+    if (const auto* text = std::get_if<std::string>(&value)) require_text(key, *text);
     hdf5::write_attr(common.get(), key.c_str(), value, w);
   }
   common.close(w);
@@ -261,6 +262,10 @@ struct PieceWriter::Impl {
   std::vector<std::uint64_t> hashes;  // not yet in the table
   std::int64_t hashes_written = 0;    // checksums of this writer already in the table
   BytesDone progress;
+  // With checksums, each batch is copied here first, hashed here and written from here: the
+  // checksums then describe the very bytes in the file, whatever the caller does to its memory
+  // meanwhile (a second read of the caller's rows could see other bytes than the first).
+  std::vector<std::byte> bounce;
 
   // The checksums computed so far go to their place in the table: a writer holds at most
   // hash_batch of them, whatever the number of rows it writes.
@@ -292,12 +297,17 @@ void PieceWriter::write(const Dataset& d, const Box& box, TensorView src) {
   for (std::int64_t r0 = box.rows.begin; r0 < box.rows.end; r0 += step) {
     const Box batch{{r0, std::min(r0 + step, box.rows.end)}, box.cols};
     const std::byte* p = bytes + (r0 - box.rows.begin) * row_bytes;
-    // Each row's checksum is taken just before its bytes go out, while they are in cache.
-    if (m.checksums)
+    // Each row's checksum is taken from the bounce copy that then goes out, while it is in cache.
+    if (m.checksums) {
+      const auto n = static_cast<std::size_t>(batch.rows.size() * row_bytes);
+      if (m.bounce.size() < n) m.bounce.resize(n);
+      std::memcpy(m.bounce.data(), p, n);
+      p = m.bounce.data();
       for (std::int64_t r = 0; r < batch.rows.size(); ++r) {
         m.hashes.push_back(row_hash(p + r * row_bytes, static_cast<std::size_t>(row_bytes)));
         if (m.hashes.size() == Impl::hash_batch) m.flush_hashes();
       }
+    }
     m.sink->write(d, batch, p, row_bytes);
     if (m.progress) m.progress(batch.rows.size() * row_bytes);
   }

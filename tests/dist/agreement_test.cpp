@@ -1,0 +1,231 @@
+// What a save promises whatever its caller and its process group do: the checksums describe the
+// bytes in the file while another thread changes the shard; ranks that name different paths all
+// fail; a group that delivers other bytes than were sent commits nothing; a peer that fails after
+// the commit leaves a complete checkpoint and an error that says so; a flat range that holds
+// nothing of its parameter is a tiling error, not a missing key; names HDF5 would cut are refused.
+#include "support.hpp"
+
+namespace {
+
+// A 1-D f32 tensor of `n` elements that the caller's thread writes while `fn` runs.
+template <class Fn>
+void while_changing(SharedBuffer& b, Fn&& fn) {
+  std::atomic<bool> stop{false};
+  std::thread writer([&] {
+    float* p = b.mut_view().as<float>().data();
+    const auto n = static_cast<std::size_t>(b.shape().elements());
+    for (float step = 1; !stop.load(std::memory_order_relaxed); ++step)
+      for (std::size_t i = 0; i < n; i += 97) reinterpret_cast<volatile float*>(p)[i] = step;
+  });
+  try {
+    fn();
+  } catch (...) {
+    stop = true;
+    writer.join();
+    throw;
+  }
+  stop = true;
+  writer.join();
+}
+
+TEST(Checksums, DescribeTheFileWhileAnotherThreadChangesTheShard) {
+  ScratchDir dir;
+  const auto path = dir / "c.h5";
+  for (const IoMethod method : {IoMethod::raw, IoMethod::hyperslab}) {
+    SharedBuffer b = SharedBuffer::zeros(DType::f32, {4096, 512});  // 8 MiB: the writer changes it all along
+    StateDict s;
+    s.add(ShardedTensor::of("w", b, {4096, 512}, {0, 0}));
+    for (int round = 0; round < 3; ++round) {
+      SaveOptions o;
+      o.method = method;
+      while_changing(b, [&] { save(s, path, o); });
+      const VerifyReport v = verify_checkpoint(CheckpointReader(path));
+      EXPECT_EQ(v.mismatches, 0) << "round " << round;
+      EXPECT_EQ(v.checksum_rows, 4096) << "round " << round;
+    }
+  }
+}
+
+TEST(Paths, RanksThatNameDifferentPathsAllFailAndWriteNothing) {
+  ScratchDir dir;
+  std::vector<std::string> messages;
+  const auto codes = outcomes(
+      3,
+      [&](ProcessGroup& g) {
+        SharedBuffer b = SharedBuffer::zeros(DType::f32, {2, 2});
+        StateDict s;
+        s.add(ShardedTensor::of("t", b, {6, 2}, {g.rank() * 2, 0}));
+        save(s, dir / (g.rank() == 2 ? "other.h5" : "c.h5"), g);
+      },
+      &messages);
+  for (const auto& code : codes) EXPECT_EQ(code, Errc::invalid_argument);
+  ASSERT_FALSE(messages.empty());
+  EXPECT_NE(messages.front().find("rank 2 to '"), std::string::npos) << messages.front();
+  EXPECT_FALSE(std::filesystem::exists(dir / "c.h5"));
+  EXPECT_FALSE(std::filesystem::exists(dir / "other.h5"));
+  EXPECT_TRUE(testing_support::temporary_files(dir.path()).empty());
+  // The same path spelled another way is the same path.
+  run_ranks(2, [&](ProcessGroup& g) {
+    SharedBuffer b = SharedBuffer::zeros(DType::f32, {2, 2});
+    StateDict s;
+    s.add(ShardedTensor::of("t", b, {4, 2}, {g.rank() * 2, 0}));
+    save(s, g.rank() == 0 ? dir / "c.h5" : dir / "." / "c.h5", g);
+  });
+  EXPECT_EQ(verify_checkpoint(CheckpointReader(dir / "c.h5")).mismatches, 0);
+}
+
+// A group that hands rank `victim` other bytes than were broadcast at its `nth` broadcast: the last
+// 8 bytes (in the planning verdict, the victim's first row in the checksum table) set to `value`.
+struct GarblingGroup final : ProcessGroup {
+  ProcessGroup& inner;
+  int victim, nth, calls = 0;
+  std::int64_t value;
+  GarblingGroup(ProcessGroup& g, int victim, int nth, std::int64_t value)
+      : inner(g), victim(victim), nth(nth), value(value) {}
+  int rank() const override { return inner.rank(); }
+  int size() const override { return inner.size(); }
+  void barrier() override { inner.barrier(); }
+  std::unique_ptr<ProcessGroup> split(int color, int key) override { return inner.split(color, key); }
+  void all_gather_rows(MutTensorView rows, std::span<const std::int64_t> counts) override {
+    inner.all_gather_rows(rows, counts);
+  }
+  std::vector<std::byte> broadcast(std::span<const std::byte> b, int root) override {
+    std::vector<std::byte> out = inner.broadcast(b, root);
+    if (rank() == victim && ++calls == nth && out.size() >= 8) std::memcpy(out.data() + out.size() - 8, &value, 8);
+    return out;
+  }
+
+ protected:
+  std::vector<std::vector<std::byte>> all_gather(std::span<const std::byte> b) override { return all_gather_of(inner, b); }
+  std::vector<std::vector<std::byte>> gather(std::span<const std::byte> b, int root) override {
+    return gather_of(inner, b, root);
+  }
+};
+
+TEST(Groups, AGroupThatGarblesThePlanningVerdictCommitsNothing) {
+  ScratchDir dir;
+  const auto c = tiny_model();
+  const demo::Layout l{2, 2, 8, 1};
+  const auto path = dir / "c.h5";
+  save_layout(c, l, {}, path);
+  const std::string earlier = file_bytes(path);
+  // Rank 3 is told that its checksums start where rank 0's do: it would overwrite them.
+  const auto codes = outcomes(l.ranks(), [&](ProcessGroup& g) {
+    demo::RankModel m = demo::build_rank(c, l, g.rank());
+    for (ShardedParam& p : m.state.params())
+      for (bf16& x : p.shard.mut_view().as<bf16>()) x = to_bf16(7.0f);
+    GarblingGroup garbling(g, 3, 1, 0);
+    save(m.state, path, garbling);
+  });
+  for (const auto& code : codes) EXPECT_EQ(code, Errc::collective);
+  EXPECT_TRUE(file_bytes(path) == earlier);
+  EXPECT_TRUE(testing_support::temporary_files(dir.path()).empty());
+}
+
+// Counts a rank's collectives (a DyingGroup that never dies).
+int collectives_of_a_save(const demo::ModelConfig& c, const demo::Layout& l, const std::filesystem::path& path) {
+  std::atomic<int> calls{0};
+  run_ranks(l.ranks(), [&](ProcessGroup& g) {
+    demo::RankModel m = demo::build_rank(c, l, g.rank());
+    DyingGroup counting(g, -1);
+    save(m.state, path, counting);
+    if (g.rank() == 2) calls = counting.calls;
+  });
+  return calls.load();
+}
+
+TEST(Groups, APeerThatFailsAfterTheCommitLeavesACompleteCheckpointAndSaysSo) {
+  ScratchDir dir;
+  const auto c = tiny_model();
+  const demo::Layout l{2, 2, 8, 1};
+  const auto path = dir / "c.h5";
+  const int last = collectives_of_a_save(c, l, path);
+  ASSERT_GT(last, 3);
+  std::vector<std::string> messages;
+  std::mutex m;
+  const auto codes = outcomes(l.ranks(), [&](ProcessGroup& g) {
+    demo::RankModel model = demo::build_rank(c, l, g.rank());
+    DyingGroup dying(g, g.rank() == 2 ? last : -1);
+    try {
+      save(model.state, path, dying);
+    } catch (const Error& e) {
+      const std::lock_guard lock(m);
+      if (g.rank() == 0 || g.rank() == 1) messages.push_back(cat(g.rank(), ": ", e.what()));
+      throw;
+    }
+  });
+  EXPECT_EQ(codes[0], Errc::committed_peer_failed);
+  EXPECT_EQ(codes[1], Errc::collective);
+  for (const std::string& text : messages)
+    EXPECT_TRUE(text.find(text[0] == '0' ? "is committed and complete" : "unknown to rank 1") != std::string::npos)
+        << text;
+  // The checkpoint is there, complete, and holds what was saved.
+  EXPECT_EQ(verify_checkpoint(CheckpointReader(path)).mismatches, 0);
+  EXPECT_EQ(mismatches_at(c, {1, 4, 8, 1}, path), 0);
+  EXPECT_TRUE(testing_support::temporary_files(dir.path()).empty());
+}
+
+TEST(Tiling, AnEmptyFlatRangeOfTheOnlyHolderIsATilingError) {
+  ScratchDir dir;
+  const auto path = dir / "c.h5";
+  for (const Range flat : {Range{3, 3}, Range{0, 0}, Range{0, 16}}) {
+    ShardedParam p;
+    p.spec.key = "w";
+    p.spec.sections = {{"a", 4}, {"b", 4}};
+    p.spec.trailing = {4};
+    p.flat = flat;
+    p.shard = SharedBuffer::zeros(DType::f32, p.shard_shape());
+    StateDict s;
+    s.add(p);
+    try {
+      save(s, path);
+      ADD_FAILURE() << "a save of the flat range [" << flat.begin << ", " << flat.end << ") of 32 elements committed";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::tiling) << e.what();
+      EXPECT_NE(std::string(e.what()).find(flat.begin == 0 && flat.end == 16 ? "w.b" : "w.a"), std::string::npos)
+          << e.what();
+    }
+    EXPECT_FALSE(std::filesystem::exists(path));
+  }
+}
+
+TEST(Names, NulBytesAndOverlongNamesAreRefusedBeforeAnythingIsWritten) {
+  using namespace std::string_literals;
+  SharedBuffer b = SharedBuffer::zeros(DType::f32, {2, 2});
+  const auto refused = [&](auto&& add, std::string_view needle) {
+    StateDict s;
+    try {
+      add(s);
+      ADD_FAILURE() << "accepted: " << needle;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::invalid_argument) << e.what();
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  refused([&](StateDict& s) { s.add(ShardedTensor::of("t\0u"s, b, {2, 2}, {0, 0})); }, "NUL byte at byte 1");
+  refused([&](StateDict& s) { s.add_common("k\0z"s, std::int64_t{1}); }, "NUL byte at byte 1");
+  refused([&](StateDict& s) { s.add_common("k", "a\0b"s); }, "NUL byte at byte 1");
+  refused([&](StateDict& s) { s.add_local("k\0z"s, std::int64_t{1}); }, "NUL byte");
+  refused([&](StateDict& s) { s.add(ShardedTensor::of(std::string(5000, 'k'), b, {2, 2}, {0, 0})); },
+          "longer than 4096 bytes");
+  ShardedParam p;
+  p.spec.key = "w";
+  p.spec.sections = {{"a\0b"s, 2}, {"c", 2}};
+  p.spec.trailing = {2};
+  p.shard = b;
+  refused([&](StateDict& s) { s.add(p); }, "a section name");
+  p.spec.sections[0].name = "a";
+  refused([&](StateDict& s) { s.add(optimizer_state(p, "exp\0avg"s, DType::f32)); }, "an optimizer state's name");
+  // A long name within the limit round-trips.
+  ScratchDir dir;
+  const std::string key(4000, 'k');
+  StateDict s;
+  s.add(ShardedTensor::of(key, b, {2, 2}, {0, 0}));
+  s.add_common(std::string(4000, 'c'), std::string(100000, 'v'));
+  save(s, dir / "c.h5");
+  const CheckpointReader reader(dir / "c.h5");
+  EXPECT_EQ(std::get<std::string>(reader.contents().common.at(std::string(4000, 'c'))), std::string(100000, 'v'));
+  EXPECT_EQ(verify_checkpoint(reader).datasets, 1);
+}
+
+}  // namespace
