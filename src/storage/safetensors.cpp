@@ -80,27 +80,150 @@ std::uint64_t header_length(const io::File& f, std::uint64_t size) {
   return n;
 }
 
-// Strict JSON: nothing nested deeper than a tensor's entry, no key twice in one object.
+// A number of the header that is not a non-negative integer (a negative one, -0, one with a fraction
+// or an exponent, one past 2^64 - 1) is kept in the parsed header as a binary value holding the
+// number's text as the file wrote it: JSON text never parses to a binary value, so the reader can
+// tell it apart, and its messages show what the file says ("-0", "1e2"), not what a double makes of
+// it.
+json number_text(std::string text) { return json::binary(std::vector<std::uint8_t>(text.begin(), text.end())); }
+
+// A value of the header as the file wrote it, for messages (numbers kept as text shown as that text).
+std::string shown(const json& v) {
+  if (v.is_binary()) return std::string(v.get_binary().begin(), v.get_binary().end());
+  if (v.is_array()) {
+    std::string out = "[";
+    for (const json& x : v) out += cat(out.size() > 1 ? ", " : "", shown(x));
+    return out + "]";
+  }
+  if (v.is_object()) {
+    std::string out = "{";
+    for (const auto& [key, x] : v.items()) out += cat(out.size() > 1 ? ", " : "", quoted(key), ": ", shown(x));
+    return out + "}";
+  }
+  return v.dump();
+}
+
+// The first number of a JSON text written with a leading zero ("01", "-007"), which JSON does not
+// allow and the parser reports as a number where none may follow: for a clearer message.
+std::optional<std::string> leading_zero(const std::string& text) {
+  const auto digit = [](char c) { return c >= '0' && c <= '9'; };
+  bool in_string = false;
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') ++i;
+      else if (c == '"') in_string = false;
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+      continue;
+    }
+    const std::size_t at = c == '-' ? i + 1 : i;
+    if (at + 1 >= text.size() || text[at] != '0' || !digit(text[at + 1]) || (i > 0 && (digit(text[i - 1]) || text[i - 1] == '.')))
+      continue;
+    std::size_t end = at + 1;
+    while (end < text.size() && digit(text[end])) ++end;
+    return text.substr(i, end - i);
+  }
+  return std::nullopt;
+}
+
+// Builds the header's value from the parser's events, in time linear in its size (nlohmann's
+// callback parser scans the whole enclosing object at the end of every object: quadratic in the
+// tensors), refusing on the way what strict JSON for a header does not allow: a key twice in one
+// object, anything nested deeper than a tensor's entry.
+class HeaderBuilder {
+ public:
+  explicit HeaderBuilder(const std::string& text) : text_(text) {}
+  json root;
+
+  bool null() { return value(json(nullptr)); }
+  bool boolean(bool v) { return value(json(v)); }
+  // The parser gives a negative integer here, its text exactly (JSON numbers have no leading zeros
+  // or '+'); 0 here was written -0.
+  bool number_integer(json::number_integer_t v) { return value(number_text(v == 0 ? "-0" : std::to_string(v))); }
+  bool number_unsigned(json::number_unsigned_t v) { return value(json(v)); }
+  bool number_float(json::number_float_t, const std::string& text) { return value(number_text(text)); }
+  bool string(std::string& v) { return value(json(std::move(v))); }
+  bool binary(json::binary_t&) { refuse("its header holds a binary value"); }
+  bool start_object(std::size_t) { return open(json::object()); }
+  bool start_array(std::size_t) { return open(json::array()); }
+  bool end_object() { return close(); }
+  bool end_array() { return close(); }
+  bool key(std::string& k) {
+    json& object = *stack_.back();
+    if (object.contains(k)) refuse(cat("the key ", quoted(k), " appears twice in one object of the header"));
+    slot_ = &object[k];
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) {
+    if (const std::optional<std::string> n = leading_zero(text_)) {
+      const std::size_t first = n->find_first_not_of("-0");
+      refuse(cat("its header is not valid JSON: the number ", *n, " has a leading zero, which JSON does not allow (",
+                 first == std::string::npos ? std::string("0") : cat(n->starts_with("-") ? "-" : "", n->substr(first)), " is written without one)"));
+    }
+    refuse(cat("its header is not valid JSON: ", printable(e.what())));
+  }
+
+ private:
+  const std::string& text_;
+  std::vector<json*> stack_;  // the open objects and arrays, outermost first
+  json* slot_ = nullptr;      // where the next value of the innermost object goes
+
+  json* place(json v) {
+    if (stack_.empty()) return &(root = std::move(v));
+    json& parent = *stack_.back();
+    if (parent.is_array()) {
+      parent.push_back(std::move(v));
+      return &parent.back();
+    }
+    *slot_ = std::move(v);
+    return slot_;
+  }
+  bool value(json v) {
+    (void)place(std::move(v));
+    return true;
+  }
+  // Nesting: the root object (0), a tensor's entry (1), its shape (2), a dimension (3).
+  bool open(json v) {
+    if (stack_.size() >= static_cast<std::size_t>(max_depth))
+      refuse(cat("the header nests deeper than a tensor's entry (", max_depth, " levels)"));
+    stack_.push_back(place(std::move(v)));
+    return true;
+  }
+  bool close() {
+    stack_.pop_back();
+    return true;
+  }
+};
+
 json parse_header(const std::string& text) {
-  std::vector<std::set<std::string>> open;  // the keys of each object being parsed
+  HeaderBuilder b(text);
   try {
-    return json::parse(text, [&](int depth, json::parse_event_t event, json& parsed) {
-      if (depth > max_depth) refuse(cat("the header nests deeper than a tensor's entry (", max_depth, " levels)"));
-      if (event == json::parse_event_t::object_start) open.emplace_back();
-      if (event == json::parse_event_t::object_end) open.pop_back();
-      if (event == json::parse_event_t::key && !open.back().insert(parsed.get<std::string>()).second)
-        refuse(cat("the key ", quoted(parsed.get<std::string>()), " appears twice in one object of the header"));
-      return true;
-    });
+    json::sax_parse(text, &b);
   } catch (const json::exception& e) {
     refuse(cat("its header is not valid JSON: ", printable(e.what())));
   }
+  return std::move(b.root);
+}
+
+// Why a value of the header is not an integer from 0 to 2^63 - 1, in words.
+std::string not_an_index(const json& v) {
+  if (v.is_number_unsigned()) return "past 2^63 - 1";
+  if (!v.is_binary()) return "not a number";
+  const std::string text = shown(v);
+  if (text == "-0") return "a negative zero (the safetensors package refuses it too: write 0)";
+  if (text.find_first_of(".eE") != std::string::npos)
+    return "written with a fraction or an exponent (an integer is written with digits only)";
+  if (text.starts_with("-")) return "negative";
+  return "past 2^64 - 1";
 }
 
 std::int64_t integer(const json& v, std::string_view what) {
   if (v.is_number_unsigned() && v.get<std::uint64_t>() <= static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
     return v.get<std::int64_t>();
-  refuse(cat(what, " is ", v.dump(), ", not an integer from 0 to 2^63 - 1"));
+  refuse(cat(what, " is ", shown(v), ", ", not_an_index(v), ": not an integer from 0 to 2^63 - 1"));
 }
 
 std::vector<std::int64_t> integers(const json& v, std::string_view what) {
@@ -132,13 +255,13 @@ Entry entry_of(const std::string& name, const json& v, std::uint64_t data_start,
   const json& dt = v["dtype"];
   const std::optional<DType> dtype = dt.is_string() ? dtype_named(dt.get<std::string>()) : std::nullopt;
   if (!dtype)
-    refuse(cat(t, " has dtype ", dt.dump(), ", which shardckpt does not store (BF16, F16, F32, F64, I8 to I64, U8 to U64)"));
+    refuse(cat(t, " has dtype ", shown(dt), ", which shardckpt does not store (BF16, F16, F32, F64, I8 to I64, U8 to U64)"));
   std::vector<std::int64_t> shape = integers(v["shape"], cat(t, ": a dimension of its shape"));
-  const std::vector<std::int64_t> offsets = integers(v["data_offsets"], cat(t, ": data_offsets"));
+  const std::vector<std::int64_t> offsets = integers(v["data_offsets"], cat(t, ": an offset of its data_offsets"));
   if (shape.empty() || shape.size() > static_cast<std::size_t>(max_rank))
     refuse(cat(t, " has ", shape.size(), " dimensions; shardckpt adopts tensors of 1 to ", max_rank));
   if (offsets.size() != 2 || offsets[0] > offsets[1])
-    refuse(cat(t, ": data_offsets ", v["data_offsets"].dump(), " is not [begin, end] with begin <= end"));
+    refuse(cat(t, ": data_offsets ", shown(v["data_offsets"]), " is not [begin, end] with begin <= end"));
   const auto begin = static_cast<std::uint64_t>(offsets[0]), end = static_cast<std::uint64_t>(offsets[1]);
   if (end > data_bytes) refuse(cat(t, ": data_offsets [", begin, ", ", end, "] reach past the data, which has ", data_bytes, " bytes"));
   std::int64_t row = 0, bytes = 0;

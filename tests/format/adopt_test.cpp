@@ -103,6 +103,24 @@ TEST(Adopt, HostileSafetensorsHeadersAreRefusedNamingWhatIsWrong) {
       {R"({"t": {"dtype": "F32", "shape": [3.0], "data_offsets": [0, 12]}})", {}, "not an integer"},
       {R"({"t": {"dtype": "F32", "shape": [3], "data_offsets": [0, 12], "x": 1}})", {}, "unknown field \"x\""},
       {R"({"a/b": {"dtype": "F32", "shape": [3], "data_offsets": [0, 12]}})", {}, "contain no '/'"},
+      // Numbers that are not integers from 0 to 2^63 - 1 are named as the file writes them.
+      {R"({"t": {"dtype": "F32", "shape": [3], "data_offsets": [-0, 12]}})", {},
+       "an offset of its data_offsets is -0, a negative zero (the safetensors package refuses it too: write 0)"},
+      {R"({"t": {"dtype": "F32", "shape": [1e2], "data_offsets": [0, 12]}})", {},
+       "a dimension of its shape is 1e2, written with a fraction or an exponent"},
+      {R"({"t": {"dtype": "F32", "shape": [3], "data_offsets": [0.0, 12]}})", {},
+       "data_offsets is 0.0, written with a fraction or an exponent"},
+      {R"({"t": {"dtype": "F32", "shape": [3], "data_offsets": [-12, 12]}})", {}, "data_offsets is -12, negative:"},
+      {R"({"t": {"dtype": "F32", "shape": [3], "data_offsets": [9223372036854775808, 12]}})", {},
+       "data_offsets is 9223372036854775808, past 2^63 - 1: not an integer from 0 to 2^63 - 1"},
+      {R"({"t": {"dtype": "F32", "shape": [3], "data_offsets": [0, 18446744073709551616]}})", {},
+       "data_offsets is 18446744073709551616, past 2^64 - 1"},
+      {R"({"t": {"dtype": "F32", "shape": [3], "data_offsets": [0, "12"]}})", {}, "data_offsets is \"12\", not a number"},
+      {R"({"t": {"dtype": "F32", "shape": [3], "data_offsets": [00, 12]}})", {},
+       "the number 00 has a leading zero, which JSON does not allow (0 is written without one)"},
+      {R"({"t": {"dtype": "F32", "shape": [3], "data_offsets": [0, 012]}})", {}, "the number 012 has a leading zero"},
+      {R"({"t": {"dtype": -0, "shape": [3], "data_offsets": [0, 12]}})", {}, "has dtype -0, which shardckpt does not store"},
+      {R"({"t": {"dtype": "F32", "shape": [3], "data_offsets": [0, 1E400]}})", {}, "number overflow parsing '1E400'"},
   };
   ScratchDir dir;
   for (const Case& c : cases) {
