@@ -10,6 +10,8 @@ Single-user part (default, `--part single`):
   - the plain file an adopted checkpoint points at is opened safely: a symbolic link (absolute or
     relative), a FIFO or a link to /dev/zero in its place is refused without hanging, and so is a
     version 1 file whose external storage is an absolute path or a symbolic link;
+  - a FIFO where a regular file is expected is never opened: a writer blocked on it stays blocked after
+    every command that meets it (load, verify, reshard, inspect, adopt; inputs, external files, outputs);
   - paths deeper than PATH_MAX (relative to a deep working directory) work;
   - reshard of a path renamed over, again and again, by two checkpoints that share one checkpoint
     id never writes a mix of the two (the common values of one, tensor bytes of the other);
@@ -39,7 +41,7 @@ import shutil
 from tally import check, finish
 # First: parses the command line, checks the shared part can run (else exits 77), makes the inputs.
 from trust.support import args, attacker, work
-from trust.inputs import (external_storage, reshard_never_mixes, small_types_with_pad_rows, stale_temporary_files,
+from trust.inputs import (external_storage, fifos_never_opened, reshard_never_mixes, small_types_with_pad_rows, stale_temporary_files,
                           virtual_datasets)
 from trust.limits import deep_paths, many_tensors, resources
 from trust.outputs import (adopt_never_replaces_its_input, closed_streams, concurrent_saves, only_regular_files,
@@ -51,7 +53,7 @@ try:
     if args.part == "shared":
         shared_part(*attacker)
     else:
-        for section in (permissions, only_regular_files, adopt_never_replaces_its_input, external_storage, deep_paths,
+        for section in (permissions, only_regular_files, adopt_never_replaces_its_input, external_storage, fifos_never_opened, deep_paths,
                         reshard_never_mixes, virtual_datasets, concurrent_saves, closed_streams,
                         small_types_with_pad_rows, stale_temporary_files, resources, many_tensors):
             try:

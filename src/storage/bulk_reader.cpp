@@ -15,6 +15,7 @@ module;
 #include <mutex>
 #include <new>
 #include <optional>
+#include <string>
 #include <vector>
 module shardckpt.storage;
 import shardckpt.core;
@@ -143,13 +144,22 @@ struct BulkReader::State {
 
 BulkReader::BulkReader(const File& file, PageCache cache) : state_(std::make_unique<State>(file)) {
   if (cache == PageCache::use) return;
-  const int fd = ::open(file.path().c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
-  if (fd < 0) return;
-  struct stat st {};
   const FileIdentity mine = file.identity();
-  if (::fstat(fd, &st) != 0 || static_cast<std::uint64_t>(st.st_dev) != mine.device ||
-      static_cast<std::uint64_t>(st.st_ino) != mine.inode) {
-    ::close(fd);  // the path names another file now: read through the descriptor that was checked
+  const auto same = [&](const struct stat& st) {
+    return static_cast<std::uint64_t>(st.st_dev) == mine.device && static_cast<std::uint64_t>(st.st_ino) == mine.inode;
+  };
+  // Only while the path still names the checked file (stat opens nothing): then that file itself is
+  // opened again, through its descriptor's link in /proc/self/fd, which no rename redirects, never
+  // the path, where a FIFO may stand by now. Without /proc, the path, without following a link or
+  // blocking, and checked to be the same file.
+  struct stat st {};
+  if (::stat(file.path().c_str(), &st) != 0 || !same(st)) return;  // read through the descriptor that was checked
+  const std::string own = cat("/proc/self/fd/", file.descriptor());
+  int fd = ::open(own.c_str(), O_RDONLY | O_DIRECT | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0 && errno == ENOENT) fd = ::open(file.path().c_str(), O_RDONLY | O_DIRECT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return;
+  if (::fstat(fd, &st) != 0 || !same(st)) {
+    ::close(fd);
     return;
   }
   state_->fd = fd;

@@ -239,23 +239,52 @@ std::optional<FileStatus> Directory::status(std::string_view name) const {
 
 FileStatus Directory::status() const { return fd_.status(); }
 
+namespace {
+
+// Looks before anything is opened: `name` in the directory `dir` as an O_PATH descriptor, without
+// following a link on it. An O_PATH open opens nothing: a FIFO's writer is not released by it, a
+// device's driver never sees it, a link is not followed (the descriptor refers to the link itself).
+Descriptor look_at(int dir, const std::string& name, const fs::path& shown) {
+  int fd = -1;
+  while ((fd = ::openat(dir, name.c_str(), O_PATH | O_NOFOLLOW | O_CLOEXEC)) < 0 && errno == EINTR) {
+  }
+  if (fd < 0) fail("open", shown, errno);
+  return Descriptor(fd, shown);
+}
+
+// Opens for I/O (`flags`) the file that `looked` (look_at of `name` in `dir`) refers to, and no
+// other: through /proc/self/fd/N, the kernel's link to the open file, which no rename of `name`
+// redirects. Where /proc is not mounted, `name` is opened again, without following a link and
+// without blocking, and must be the same file (a file put at the name in between is refused,
+// though opened). O_NONBLOCK keeps the open from waiting on a lease; it is cleared again.
+Descriptor open_looked_at(const Descriptor& looked, const FileIdentity& id, int dir, const std::string& name, int flags) {
+  const std::string proc = cat("/proc/self/fd/", looked.get());
+  int fd = -1;
+  while ((fd = ::open(proc.c_str(), flags | O_NONBLOCK | O_CLOEXEC)) < 0 && errno == EINTR) {
+  }
+  if (fd < 0 && errno == ENOENT)
+    while ((fd = ::openat(dir, name.c_str(), flags | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC)) < 0 && errno == EINTR) {
+    }
+  if (fd < 0) fail("open", looked.path(), errno);
+  Descriptor opened(fd, looked.path());
+  require(opened.status().identity == id, Errc::io, looked.path().string(), " was replaced while it was being opened");
+  const int now = ::fcntl(fd, F_GETFL);
+  if (now >= 0) (void)::fcntl(fd, F_SETFL, now & ~O_NONBLOCK);
+  return opened;
+}
+
+}  // namespace
+
 File Directory::open_regular(std::string_view name, Errc refusal) const {
   const fs::path shown = *this / name;
   require(plain_name(name), refusal, "'", name, "' is not a plain file name in ", path().string());
   const std::string n(name);
-  int fd = -1;
-  while ((fd = ::openat(fd_.get(), n.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC)) < 0 && errno == EINTR) {
-  }
-  if (fd < 0 && errno == ELOOP) throw Error(refusal, cat(shown.string(), " is a symbolic link, which is not followed"));
-  if (fd < 0) fail("open", shown, errno);
-  File f(Descriptor(fd, shown));
-  const FileStatus st = f.status();
+  const Descriptor looked = look_at(fd_.get(), n, shown);
+  const FileStatus st = looked.status();
+  if (st.kind == FileKind::symlink) throw Error(refusal, cat(shown.string(), " is a symbolic link, which is not followed"));
   require(st.kind == FileKind::regular, refusal, shown.string(), " is ", file_kind_name(st.kind),
           ", not a regular file");
-  // O_NONBLOCK only kept the open from waiting; reads of a regular file never wait on it anyway.
-  const int flags = ::fcntl(fd, F_GETFL);
-  if (flags >= 0) (void)::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
-  return f;
+  return File(open_looked_at(looked, st.identity, fd_.get(), n, O_RDONLY));
 }
 
 
@@ -324,13 +353,13 @@ File TemporaryFile::open_created(const fs::path& dir, std::string_view name, con
   require(is_temporary_name(name), Errc::io, "'", name, "' is not the name of a save's temporary file");
   const Directory d = Directory::open(dir);
   const std::string n(name);
-  int fd = -1;
-  while ((fd = ::openat(d.descriptor(), n.c_str(), O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC)) < 0 &&
-         errno == EINTR) {
-  }
   const fs::path shown = d / name;
-  if (fd < 0) fail("open", shown, errno);
-  File f(Descriptor(fd, shown));
+  // Looked at first: a FIFO or device planted at the name is refused without being opened.
+  const Descriptor looked = look_at(d.descriptor(), n, shown);
+  const FileStatus st = looked.status();
+  require(st.kind == FileKind::regular, Errc::io, "the temporary file ", shown.string(), " is ",
+          file_kind_name(st.kind), ", not the file this save created: another user may have planted it");
+  File f(open_looked_at(looked, st.identity, d.descriptor(), n, O_RDWR));
   check_temporary(f);
   require(same_file(shared_identity(f.identity()), creator), Errc::io, shown.string(),
           " is not the temporary file rank 0 created: it was replaced");

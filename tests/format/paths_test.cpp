@@ -1,5 +1,14 @@
 // Tests for shardckpt.format: both write paths, contiguous or chunked; reads of any box, each checked
 // against its checksums; metadata; files without checksums; atomic commit; HDF5 errors by name.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <fstream>
+#include <thread>
+
 #include "support.hpp"
 
 TEST(Format, BothWritePathsProduceIdenticalTensorsContiguousOrChunked) {
@@ -192,6 +201,85 @@ TEST(Format, AReaderKeepsReadingTheFileItOpenedWhenThePathIsReplaced) {
   const auto v = read_out(r);
   for (std::size_t i = 0; i < v.size(); ++i) ASSERT_EQ(v[i], out_value(i)) << i;
   EXPECT_NE(r.identity(), io::File::open_read(dir / "a.h5").identity());
+}
+
+namespace {
+
+// A thread blocked in open(FIFO, O_WRONLY), as a program writing into a FIFO waits for a reader: any
+// open of the FIFO for reading (or for reading and writing), even one closed at once, releases it.
+class BlockedWriter {
+ public:
+  explicit BlockedWriter(const std::filesystem::path& fifo) : fifo_(fifo) {
+    thread_ = std::thread([this] {
+      tid_ = ::gettid();
+      const int fd = ::open(fifo_.c_str(), O_WRONLY | O_CLOEXEC);
+      released_ = true;
+      if (fd >= 0) ::close(fd);
+    });
+    // Until it is inside openat (257 on x86-64): a reader that came first would release nothing.
+    for (int i = 0; i < 1000; ++i) {
+      std::string call;
+      if (tid_ != 0) std::ifstream(cat("/proc/self/task/", tid_.load(), "/syscall")) >> call;
+      if (call == "257" || call == "2") break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
+  // Whether something opened the FIFO for reading (given the writer a moment to return).
+  bool released() const {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    return released_;
+  }
+  ~BlockedWriter() {
+    const int reader = ::open(fifo_.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);  // lets the writer go
+    thread_.join();
+    if (reader >= 0) ::close(reader);
+  }
+
+ private:
+  std::filesystem::path fifo_;
+  std::atomic<pid_t> tid_{0};
+  std::atomic<bool> released_{false};
+  std::thread thread_;
+};
+
+}  // namespace
+
+// A FIFO where the storage layer expects a regular file (a file beside a checkpoint, another rank's
+// temporary file) is looked at and refused, never opened: opening it, even without blocking, would
+// release a writer waiting on it.
+TEST(Format, AFifoWhereAFileIsExpectedIsRefusedWithoutBeingOpened) {
+  ScratchDir dir;
+  const std::string name = io::temporary_name_for("ckpt.h5");
+  ASSERT_EQ(0, ::mkfifo((dir / name).c_str(), 0600));
+  {
+    const BlockedWriter w(dir / name);
+    const Error e = error_of([&] { (void)io::Directory::open(dir.path()).open_regular(name, Errc::not_a_checkpoint); });
+    EXPECT_EQ(e.code(), Errc::not_a_checkpoint);
+    EXPECT_TRUE(contains(e.what(), "is a FIFO, not a regular file")) << e.what();
+    EXPECT_FALSE(w.released()) << "open_regular opened the FIFO";
+  }
+  {
+    const BlockedWriter w(dir / name);
+    const Error e = error_of([&] { (void)io::TemporaryFile::open_created(dir.path(), name, io::SharedIdentity{}); });
+    EXPECT_EQ(e.code(), Errc::io);
+    EXPECT_TRUE(contains(e.what(), "is a FIFO, not the file this save created")) << e.what();
+    EXPECT_FALSE(w.released()) << "open_created opened the FIFO";
+  }
+}
+
+// Reads around the page cache open the reader's own file again, never its path, where a FIFO may
+// stand by now.
+TEST(Format, ReadsAroundThePageCacheNeverOpenWhatThePathNamesNow) {
+  ScratchDir dir;
+  write_all(dir / "a.h5", IoMethod::raw);
+  const CheckpointReader r(dir / "a.h5");
+  ASSERT_EQ(0, ::mkfifo((dir / "fifo").c_str(), 0600));
+  std::filesystem::rename(dir / "a.h5", dir / "kept.h5");
+  std::filesystem::rename(dir / "fifo", dir / "a.h5");
+  const BlockedWriter w(dir / "a.h5");
+  const auto v = read_out(r, {.bypass_page_cache = true});
+  for (std::size_t i = 0; i < v.size(); ++i) ASSERT_EQ(v[i], out_value(i)) << i;
+  EXPECT_FALSE(w.released()) << "a read around the page cache opened the FIFO at the checkpoint's path";
 }
 
 TEST(Format, Hdf5ErrorsNameTheFileAndKey) {

@@ -5,7 +5,9 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
+import time
 
 import h5py
 import numpy as np
@@ -85,6 +87,107 @@ def external_storage():
     adopted_plain_file_replaced()
     version1_stored_externally()
     print("external storage: symbolic links, FIFOs and devices in place of the plain file are refused")
+
+
+class BlockedWriter:
+    """A process blocked in open(FIFO, O_WRONLY), as a program that writes into a FIFO waits for its reader.
+    Any open of the FIFO for reading (even O_NONBLOCK, even closed at once) releases it: a command that
+    opens the FIFO before it refuses it hands the writer a reader that is gone."""
+
+    def __init__(self, fifo):
+        self.p = subprocess.Popen([sys.executable, "-c", "import os, sys; os.open(sys.argv[1], os.O_WRONLY)", fifo],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # Wait until it is inside the open (x86-64 openat is 257, open 2): a reader that came first would
+        # not release it, and the check would pass without meaning anything.
+        deadline = time.time() + 10
+        self.blocked_in_open = False
+        while time.time() < deadline and self.p.poll() is None:
+            try:
+                with open(f"/proc/{self.p.pid}/syscall") as f:
+                    if f.read().split(" ", 1)[0] in ("257", "2"):
+                        self.blocked_in_open = True
+                        break
+            except OSError:
+                pass
+            time.sleep(0.01)
+        if not self.blocked_in_open:  # no /proc/PID/syscall here: give it time to get there
+            time.sleep(1)
+
+    def released(self):
+        try:
+            self.p.wait(timeout=0.3)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+    def stop(self):
+        self.p.kill()
+        self.p.wait()
+
+
+def meets_fifo(fifo, cmd, what, rc=2, says=None):
+    """Runs one command that meets FIFO with a writer blocked on it: it must not open it (the writer stays
+    blocked), nor hang, and it ends with exit `rc` (an error naming `says`, for rc 2)."""
+    w = BlockedWriter(fifo)
+    try:
+        r = tool(*cmd, timeout=20)
+        released = w.released()
+    finally:
+        w.stop()
+    check(not released, f"{what}: the FIFO was opened (a writer blocked on it was released)")
+    if expect(r, rc, what) and says is not None:
+        check(says in r.err, f"{what}: the error does not say {says!r}: {r.err.strip()}")
+    return w.blocked_in_open
+
+
+def fifos_never_opened():
+    """4. A FIFO where a command expects a regular file is looked at, not opened: a writer blocked on it
+    stays blocked after every command that meets it (the external file of an adopted checkpoint, a
+    version 1 file's external storage, the checkpoint itself, adopt's input and every output)."""
+    d = os.path.join(work, "fifo")
+    os.mkdir(d)
+    data = plain_in(d)
+    ck = os.path.join(d, "ck.h5")
+    expect(tool("adopt", data, "--model-config", CFG, "--out", ck), 0, "adopt for the FIFO tests")
+    real = os.path.join(d, "data.real")
+    os.rename(data, real)
+    os.mkfifo(data)
+    out = os.path.join(d, "out.h5")
+    kind = "is a FIFO, not a regular file"
+    waited = []
+    for cmd in (["load", ck, "--quiet"], ["verify", ck], ["reshard", ck, out, "--quiet"],
+                ["load", ck, "--quiet", "--method", "hyperslab"]):
+        waited.append(meets_fifo(data, cmd, f"{cmd[0]} of an adopted checkpoint whose plain file is a FIFO", 2, kind))
+        check(not os.path.lexists(out) and temporaries(d, "out.h5") == [], f"{cmd[0]}: an output was written")
+    # inspect reads no tensor bytes: it need not look at the plain file at all, and must not open it.
+    r_inspect = meets_fifo(data, ["inspect", ck], "inspect of an adopted checkpoint whose plain file is a FIFO", 0)
+    waited.append(r_inspect)
+    # adopt of a FIFO in the input's place.
+    waited.append(meets_fifo(data, ["adopt", data, "--model-config", CFG, "--out", os.path.join(d, "a2.h5")],
+                             "adopt of a FIFO", 2, kind))
+    # The checkpoint itself a FIFO.
+    fck = os.path.join(d, "fifo.h5")
+    os.mkfifo(fck)
+    for cmd in (["load", fck, "--quiet"], ["verify", fck], ["inspect", fck], ["reshard", fck, out, "--quiet"]):
+        waited.append(meets_fifo(fck, cmd, f"{cmd[0]} of a checkpoint that is a FIFO", 2, kind))
+    # Outputs that are FIFOs are refused by what their name is, never opened.
+    for cmd in (["reshard", A, fck, "--quiet"], ["demo", "--out", fck, "--quiet"] + ["--layers", "1", "--mamba-layers", "0", "--cols", "16"],
+                ["adopt", real, "--model-config", CFG, "--out", fck]):
+        waited.append(meets_fifo(fck, cmd, f"{cmd[0]} to a FIFO", 2, "a FIFO"))
+    # A version 1 file (h5py) whose external storage is a FIFO beside it.
+    v1 = os.path.join(d, "v1.h5")
+    ext = os.path.join(d, "ext.bin")
+    os.mkfifo(ext)
+    with h5py.File(v1, "w") as f:
+        f.create_dataset("w", shape=(4, 16), dtype="u1", external=[("ext.bin", 0, 64)])
+        version1_metadata(f)
+    for cmd in (["load", v1, "--quiet"], ["reshard", v1, out, "--quiet"]):
+        waited.append(meets_fifo(ext, cmd, f"{cmd[0]} of a version 1 file stored externally in a FIFO", 2, kind))
+    os.unlink(data)
+    os.rename(real, data)
+    expect(tool("load", ck, "--verify", "--quiet"), 0, "load --verify with the real file back")
+    how = "inside open() (/proc/PID/syscall)" if all(waited) else "for 1 s (no /proc/PID/syscall)"
+    print(f"FIFOs: {len(waited)} commands met a FIFO with a writer blocked {how} on it")
 
 
 def race_inputs(d):
