@@ -420,11 +420,32 @@ Selection select(hid_t dataset, DType dtype, std::span<const std::int64_t> shape
   return s;
 }
 
+// HDF5 reads and writes the bytes of a dataset with external storage in files it opens by name
+// (resolved against HDF5_EXTFILE_PREFIX first: HDF5 1.10 reads the variable once, when it starts,
+// and prefers it to the access property list's prefix, so neither a property nor a change of the
+// environment overrides it), and those of a virtual dataset in the files
+// of its sources. The library reads such bytes itself, through descriptors it opened (the reader's
+// external files) or not at all (virtual datasets are refused): no transfer through HDF5 ever
+// reaches one, whatever a caller asks.
+void require_stored_in_file(hid_t dataset, const Where& w) {
+  Hid dcpl = owned(H5Dget_create_plist(dataset), H5Pclose, w);
+  const int externals = H5Pget_external_count(dcpl.get());
+  const H5D_layout_t layout = H5Pget_layout(dcpl.get());
+  if (externals != 0 || layout == H5D_VIRTUAL || layout == H5D_LAYOUT_ERROR) {
+    H5Eclear2(H5E_DEFAULT);
+    throw Error(Errc::not_a_checkpoint,
+                cat(w.file.string(), ": dataset ", w.key, " keeps its bytes in other files (",
+                    layout == H5D_VIRTUAL ? "a virtual dataset" : "external storage",
+                    "), which HDF5 would open by name: they are never read or written through HDF5"));
+  }
+}
+
 }  // namespace
 
 void read_box(hid_t dataset, DType dtype, std::span<const std::int64_t> shape, const Box& box, void* mem,
               std::int64_t mem_row_elems, std::int64_t mem_col, const Where& w) {
   if (box.empty()) return;
+  require_stored_in_file(dataset, w);
   const Selection s = select(dataset, dtype, shape, box, mem_row_elems, mem_col, w);
   check(H5Dread(dataset, s.type.get(), s.mem_space.get(), s.file_space.get(), H5P_DEFAULT, mem), w);
 }
@@ -432,6 +453,7 @@ void read_box(hid_t dataset, DType dtype, std::span<const std::int64_t> shape, c
 void write_box(hid_t dataset, DType dtype, std::span<const std::int64_t> shape, const Box& box, const void* mem,
                const Where& w) {
   if (box.empty()) return;
+  require_stored_in_file(dataset, w);
   const Selection s = select(dataset, dtype, shape, box, box.cols.size(), 0, w);
   check(H5Dwrite(dataset, s.type.get(), s.mem_space.get(), s.file_space.get(), H5P_DEFAULT, mem), w);
 }

@@ -14,7 +14,7 @@ import numpy as np
 import xxhash
 
 from tally import check
-from trust.support import A, CFG, Z, demo, exe, expect, inspect_json, plain_in, raw_rows, temporaries, tool, \
+from trust.support import A, CFG, Z, demo, exe, expect, inspect_json, plain_in, raw_rows, run, temporaries, tool, \
     version1_metadata, work
 
 
@@ -188,6 +188,66 @@ def fifos_never_opened():
     expect(tool("load", ck, "--verify", "--quiet"), 0, "load --verify with the real file back")
     how = "inside open() (/proc/PID/syscall)" if all(waited) else "for 1 s (no /proc/PID/syscall)"
     print(f"FIFOs: {len(waited)} commands met a FIFO with a writer blocked {how} on it")
+
+
+def extfile_prefix_ignored():
+    """3. HDF5_EXTFILE_PREFIX (absolute, or ${ORIGIN}/../elsewhere) naming a directory that holds another
+    file of the plain file's name: load, verify, reshard and inspect read the checkpoint's own file beside
+    it. HDF5 1.10 resolves external storage against the variable before any property list, so the
+    library reads external storage itself and never through HDF5."""
+    top = os.path.join(work, "prefix")
+    d = os.path.join(top, "ck")
+    elsewhere = os.path.join(top, "elsewhere")
+    os.makedirs(d)
+    os.mkdir(elsewhere)
+    data = plain_in(d)
+    ck = os.path.join(d, "ck.h5")
+    expect(tool("adopt", data, "--model-config", CFG, "--out", ck), 0, "adopt for the HDF5_EXTFILE_PREFIX tests")
+    other = plain_in(elsewhere)  # the same layout and offsets, other values
+    with h5py.File(other, "r+") as f:
+        for k in f:
+            f[k][...] = f[k][...] + 1
+    with h5py.File(data, "r") as f:
+        want = {k: f[k][...] for k in f}
+    # A version 1 file of h5py's whose external storage is ext.bin, beside it and (other bytes) elsewhere.
+    v1 = os.path.join(d, "v1.h5")
+    for where, fill in [(d, 0), (elsewhere, 100)]:
+        with open(os.path.join(where, "ext.bin"), "wb") as f:
+            f.write(bytes(fill + i for i in range(64)))
+    with h5py.File(v1, "w") as f:
+        f.create_dataset("w", shape=(4, 16), dtype="u1", external=[("ext.bin", 0, 64)])
+        version1_metadata(f)
+    out = os.path.join(d, "out.h5")
+    saved = os.environ.get("HDF5_EXTFILE_PREFIX")
+    try:
+        for prefix in (elsewhere, "${ORIGIN}/../elsewhere"):
+            os.environ["HDF5_EXTFILE_PREFIX"] = prefix
+            where = f"with HDF5_EXTFILE_PREFIX={prefix}"
+            # The premise: HDF5 itself (h5py, in a process started with the variable: HDF5 reads it once,
+            # when it starts) reads the other file.
+            r = run([sys.executable, "-c", "import sys, h5py; print(h5py.File(sys.argv[1], 'r')[sys.argv[2]][0, 0])",
+                     ck, Z])
+            # (${ORIGIN} is the checkpoint's directory to h5py: ck/../elsewhere.)
+            check(r.rc == 0 and r.out.strip() == str(float(want[Z][0, 0]) + 1), f"h5py {where} reads the other file: {r} {r.out}")
+            for cmd in (["load", ck, "--verify", "--quiet"], ["load", ck, "--verify", "--quiet", "--method", "hyperslab"],
+                        ["verify", ck], ["inspect", ck]):
+                expect(tool(*cmd, timeout=60), 0, f"{' '.join(cmd[:1] + cmd[3:])} of an adopted checkpoint {where}")
+            if expect(tool("reshard", ck, out, "--quiet"), 0, f"reshard of an adopted checkpoint {where}"):
+                with h5py.File(out, "r") as f:
+                    same = all(np.array_equal(f[k][...], v) for k, v in want.items())
+                check(same, f"reshard of an adopted checkpoint {where}: the output holds other values than the file beside it")
+                os.unlink(out)
+            if expect(tool("reshard", v1, out, "--quiet"), 0, f"reshard of a version 1 file stored externally {where}"):
+                with h5py.File(out, "r") as f:
+                    got = f["w"][...].tobytes()
+                check(got == bytes(range(64)), f"reshard of a version 1 file {where} read {got[:4]!r}..., not the ext.bin beside it")
+                os.unlink(out)
+    finally:
+        if saved is None:
+            os.environ.pop("HDF5_EXTFILE_PREFIX", None)
+        else:
+            os.environ["HDF5_EXTFILE_PREFIX"] = saved
+    print("HDF5_EXTFILE_PREFIX: absolute and ${ORIGIN}-relative prefixes play no part")
 
 
 def race_inputs(d):
