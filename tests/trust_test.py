@@ -12,6 +12,8 @@ Single-user part (default, `--part single`):
     version 1 file whose external storage is an absolute path or a symbolic link;
   - HDF5_EXTFILE_PREFIX (absolute or ${ORIGIN}-relative) naming a directory with another file of the
     plain file's name: load, verify, reshard and inspect still read the file beside the checkpoint;
+  - adopt takes every dataset of an h5py file or refuses it: external and soft links, groups, named
+    datatypes and external storage are refused by name, never dropped from the checkpoint;
   - a FIFO where a regular file is expected is never opened: a writer blocked on it stays blocked after
     every command that meets it (load, verify, reshard, inspect, adopt; inputs, external files, outputs);
   - paths deeper than PATH_MAX (relative to a deep working directory) work;
@@ -43,7 +45,7 @@ import shutil
 from tally import check, finish
 # First: parses the command line, checks the shared part can run (else exits 77), makes the inputs.
 from trust.support import args, attacker, work
-from trust.inputs import (external_storage, extfile_prefix_ignored, fifos_never_opened, reshard_never_mixes, small_types_with_pad_rows, stale_temporary_files,
+from trust.inputs import (adopt_drops_nothing, external_storage, extfile_prefix_ignored, fifos_never_opened, reshard_never_mixes, small_types_with_pad_rows, stale_temporary_files,
                           virtual_datasets)
 from trust.limits import deep_paths, many_tensors, resources
 from trust.outputs import (adopt_never_replaces_its_input, closed_streams, concurrent_saves, only_regular_files,
@@ -56,7 +58,7 @@ try:
         shared_part(*attacker)
     else:
         for section in (permissions, only_regular_files, adopt_never_replaces_its_input, external_storage, extfile_prefix_ignored, fifos_never_opened,
-                        deep_paths,
+                        adopt_drops_nothing, deep_paths,
                         reshard_never_mixes, virtual_datasets, concurrent_saves, closed_streams,
                         small_types_with_pad_rows, stale_temporary_files, resources, many_tensors):
             try:

@@ -31,6 +31,71 @@ namespace shardckpt {
 
 namespace fs = std::filesystem;
 
+namespace {
+
+// Text of the file in a message: printable ASCII as it is, other bytes as \xHH.
+std::string printable(std::string_view text) {
+  std::string out;
+  for (const char c : text) {
+    const auto u = static_cast<unsigned char>(c);
+    constexpr char hex[] = "0123456789abcdef";
+    if (u >= 0x20 && u < 0x7f)
+      out += c;
+    else
+      out += {'\\', 'x', hex[u >> 4], hex[u & 15]};
+  }
+  return out;
+}
+
+// What a link at the root of an adopt input is when it is not a hard link to a dataset, with where it
+// points: nothing is followed, nothing opened. A checkpoint without it would lack a tensor the input
+// seems to hold (h5py follows soft and external links), so adopt refuses it by name.
+std::string not_a_dataset(hid_t file, const std::string& name, const hdf5::Where& w) {
+  H5L_info_t info;
+  hdf5::check(H5Lget_info(file, name.c_str(), &info, H5P_DEFAULT), w, Errc::not_a_checkpoint);
+  constexpr std::size_t max_value = std::size_t{1} << 16;  // a link's value is the file's to say
+  const auto value = [&]() -> std::optional<std::vector<char>> {
+    if (info.u.val_size == 0 || info.u.val_size > max_value) return std::nullopt;
+    std::vector<char> v(info.u.val_size + 1, '\0');
+    if (H5Lget_val(file, name.c_str(), v.data(), v.size(), H5P_DEFAULT) < 0) {
+      H5Eclear2(H5E_DEFAULT);
+      return std::nullopt;
+    }
+    return v;
+  };
+  if (info.type == H5L_TYPE_SOFT) {
+    const auto v = value();
+    return cat("is a soft link", v ? cat(" to '", printable(v->data()), "'") : "",
+               ": adopt follows no link and takes only the datasets at the root of the file (make it a hard link, or "
+               "copy the dataset to its name)");
+  }
+  if (info.type == H5L_TYPE_EXTERNAL) {
+    const auto v = value();
+    unsigned flags = 0;
+    const char *target_file = nullptr, *target = nullptr;
+    const bool unpacked = v && H5Lunpack_elink_val(v->data(), v->size() - 1, &flags, &target_file, &target) >= 0 &&
+                          target_file && target;
+    H5Eclear2(H5E_DEFAULT);
+    return cat("is an external link",
+               unpacked ? cat(" to '", printable(target), "' in the file '", printable(target_file), "'") : "",
+               ": adopt follows no link (HDF5 would open that file by name) and takes only datasets stored in the file "
+               "itself (copy the dataset into it, with h5copy say)");
+  }
+  if (info.type != H5L_TYPE_HARD)
+    return cat("is a user-defined link (HDF5 link type ", static_cast<int>(info.type),
+               "): adopt follows no link and takes only the datasets at the root of the file");
+  switch (hdf5::object_type(file, name.c_str(), w)) {
+    case H5O_TYPE_GROUP:
+      return "is a group: adopt takes only the datasets at the root of the file, not those in groups (move them to the root)";
+    case H5O_TYPE_NAMED_DATATYPE:
+      return "is a named datatype: adopt takes only datasets, and only those at the root of the file";
+    default:
+      return "is not a dataset: adopt takes only the datasets at the root of the file";
+  }
+}
+
+}  // namespace
+
 std::vector<SourceTensor> hdf5_tensors(io::File& f) {
   const fs::path& plain = f.path();
   const std::uint64_t size = f.size();
@@ -44,7 +109,7 @@ std::vector<SourceTensor> hdf5_tensors(io::File& f) {
     };
     if (name == meta_group) cannot("exists: the file is a shardckpt checkpoint already");
     if (!hdf5::hard_link_exists(h5.get(), name.c_str(), w) || hdf5::object_type(h5.get(), name.c_str(), w) != H5O_TYPE_DATASET)
-      cannot("is not a dataset");
+      cannot(not_a_dataset(h5.get(), name, w));
     hdf5::Hid set = hdf5::owned(H5Dopen2(h5.get(), name.c_str(), H5P_DEFAULT), H5Dclose, w, Errc::not_a_checkpoint);
     hdf5::Hid type = hdf5::owned(H5Dget_type(set.get()), H5Tclose, w, Errc::not_a_checkpoint);
     const std::optional<DType> dtype = hdf5::dtype_of(type.get());
@@ -55,8 +120,9 @@ std::vector<SourceTensor> hdf5_tensors(io::File& f) {
     const haddr_t address = H5Dget_offset(set.get());
     H5Eclear2(H5E_DEFAULT);
     const auto bytes = static_cast<std::uint64_t>(element_count(shape)) * dtype_size(*dtype);
-    if (H5Pget_layout(dcpl.get()) != H5D_CONTIGUOUS || H5Pget_external_count(dcpl.get()) != 0 ||
-        address == HADDR_UNDEF || address > size || bytes > size - address)
+    if (H5Pget_external_count(dcpl.get()) != 0)
+      cannot("keeps its bytes in other files (HDF5 external storage): adopt takes only bytes stored in the file itself");
+    if (H5Pget_layout(dcpl.get()) != H5D_CONTIGUOUS || address == HADDR_UNDEF || address > size || bytes > size - address)
       cannot("is not stored contiguously in the file (rewrite it with h5repack -l CONTI)");
     out.push_back({name, *dtype, std::move(shape), address});
   }

@@ -14,8 +14,8 @@ import numpy as np
 import xxhash
 
 from tally import check
-from trust.support import A, CFG, Z, demo, exe, expect, inspect_json, plain_in, raw_rows, run, temporaries, tool, \
-    version1_metadata, work
+from trust.support import A, CFG, Z, demo, exe, expect, inspect_json, one_error_line, plain_in, raw_rows, run, \
+    temporaries, tool, version1_metadata, work
 
 
 def adopted_plain_file_replaced():
@@ -248,6 +248,57 @@ def extfile_prefix_ignored():
         else:
             os.environ["HDF5_EXTFILE_PREFIX"] = saved
     print("HDF5_EXTFILE_PREFIX: absolute and ${ORIGIN}-relative prefixes play no part")
+
+
+def adopt_drops_nothing():
+    """2. adopt of an h5py file takes every dataset it holds or refuses it: an external link, a soft link
+    (to a dataset, or dangling), a group, a named datatype and a dataset stored in another file at the
+    root are each refused naming the link, where it points and the file; no checkpoint is written."""
+    d = os.path.join(work, "links")
+    os.mkdir(d)
+    with h5py.File(os.path.join(d, "sibling.h5"), "w") as f:
+        f["x"] = np.arange(8, dtype=np.float32)
+    with open(os.path.join(d, "ext.bin"), "wb") as f:
+        f.write(bytes(32))
+    records = os.path.join(d, "records.json")
+    with open(records, "w") as f:
+        f.write("[]")
+    cases = {
+        "an external link": (lambda f: f.__setitem__("x", h5py.ExternalLink("sibling.h5", "/x")),
+                             ["x is an external link to '/x' in the file 'sibling.h5'", "follows no link"]),
+        "a soft link to a dataset": (lambda f: f.__setitem__("x", h5py.SoftLink("/y")), ["x is a soft link to '/y'"]),
+        "a dangling soft link": (lambda f: f.__setitem__("x", h5py.SoftLink("/nowhere")), ["x is a soft link to '/nowhere'"]),
+        "a group": (lambda f: f.create_group("g").create_dataset("inner", data=np.arange(4, dtype=np.float32)),
+                    ["g is a group", "not those in groups"]),
+        "a named datatype": (lambda f: f.__setitem__("t", np.dtype("<f4")), ["t is a named datatype"]),
+        "external storage": (lambda f: f.create_dataset("x", shape=(8,), dtype="<f4", external=[("ext.bin", 0, 32)]),
+                             ["x keeps its bytes in other files"]),
+    }
+    for i, (kind, (make, says)) in enumerate(cases.items()):
+        for order in (False, True):  # names indexed, and names in creation order as well
+            src = os.path.join(d, f"in{i}{'t' if order else ''}.h5")
+            with h5py.File(src, "w", track_order=order) as f:
+                f["y"] = np.arange(16, dtype=np.float32)
+                make(f)
+            out = os.path.join(d, f"out{i}.h5")
+            r = tool("adopt", src, "--model-config", records, "--out", out)
+            what = f"adopt of a file holding {kind}" + (" (track_order)" if order else "")
+            if expect(r, 2, what):
+                check(one_error_line(r) and os.path.basename(src) in r.err and all(s in r.err for s in says),
+                      f"{what}: the error does not name the file and say {says}: {r.err.strip()}")
+            check(not os.path.lexists(out) and temporaries(d, os.path.basename(out)) == [], f"{what}: a checkpoint was written")
+    # The control: the same file without them adopts, and the checkpoint holds every dataset of it.
+    src = os.path.join(d, "plain.h5")
+    with h5py.File(src, "w") as f:
+        f["y"] = np.arange(16, dtype=np.float32)
+        f["z"] = np.arange(6, dtype=np.int64).reshape(2, 3)
+        f["alias"] = f["y"]  # a second hard link to y: a dataset of its own name
+    out = os.path.join(d, "plain.shardckpt.h5")
+    if expect(tool("adopt", src, "--model-config", records, "--out", out), 0, "adopt of a file of plain datasets"):
+        j = inspect_json(out)
+        keys = sorted(t["key"] for t in j["tensors"]) if j else None
+        check(keys == ["alias", "y", "z"], f"the adopted checkpoint holds {keys}, not every dataset of the input")
+    print(f"adopt: {len(cases)} kinds of object it cannot adopt refused by name, none dropped")
 
 
 def race_inputs(d):
