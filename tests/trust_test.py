@@ -35,7 +35,7 @@ file of its own, and (made by root for it) a hard link to root's file; saves by 
 write methods, reshard, adopt) must neither write through nor touch what was planted.
 
 The checks live in tests/trust/: support.py (the command line, helpers, the shared inputs),
-shared.py (the two-user part), outputs.py, inputs.py and limits.py (the single-user part).
+shared.py (the two-user part), outputs.py, inputs.py, special.py and limits.py (the single-user part).
 
 Usage: trust_test.py path/to/shardckpt [--part single|shared]
 Prints "trust: N passed, N failed" and exits non-zero on any failure (77: the part cannot run here).
@@ -45,8 +45,9 @@ import shutil
 from tally import check, finish
 # First: parses the command line, checks the shared part can run (else exits 77), makes the inputs.
 from trust.support import args, attacker, work
-from trust.inputs import (adopt_drops_nothing, external_storage, extfile_prefix_ignored, fifos_never_opened, reshard_never_mixes, small_types_with_pad_rows, stale_temporary_files,
+from trust.inputs import (external_storage, reshard_never_mixes, small_types_with_pad_rows, stale_temporary_files,
                           virtual_datasets)
+from trust.special import adopt_drops_nothing, extfile_prefix_ignored, fifos_never_opened
 from trust.limits import deep_paths, many_tensors, resources
 from trust.outputs import (adopt_never_replaces_its_input, closed_streams, concurrent_saves, only_regular_files,
                            permissions)
@@ -57,8 +58,8 @@ try:
     if args.part == "shared":
         shared_part(*attacker)
     else:
-        for section in (permissions, only_regular_files, adopt_never_replaces_its_input, external_storage, extfile_prefix_ignored, fifos_never_opened,
-                        adopt_drops_nothing, deep_paths,
+        for section in (permissions, only_regular_files, adopt_never_replaces_its_input, external_storage,
+                        extfile_prefix_ignored, fifos_never_opened, adopt_drops_nothing, deep_paths,
                         reshard_never_mixes, virtual_datasets, concurrent_saves, closed_streams,
                         small_types_with_pad_rows, stale_temporary_files, resources, many_tensors):
             try:
