@@ -159,6 +159,7 @@ void report(const DemoFlags& f, const CheckpointReader& reader, const demo::Mode
                     {"load_seconds", c.seconds},
                     {"load_gbps", load_gbps},
                     {"peak_rss_bytes", demo::peak_rss_bytes()},
+                    {"shard_bytes", s.shard_bytes},
                     {"pad_rows_skipped", s.pad_rows},
                     {"values_verified", c.values},
                     {"pad_rows_verified", c.pad_rows},

@@ -183,24 +183,43 @@ class ThreadMember final : public ProcessGroup {
   // Each member publishes where its rows are; each then copies the other members' shares out of
   // their memory into its own, and none returns before all have copied.
   void all_gather_rows(MutTensorView rows, std::span<const std::int64_t> counts) override {
+    // The counts travel as a digest: every member holds every member's payload, so a payload that
+    // grew with the group (the counts themselves) would cost memory that grows with its square.
+    const auto digest_of_counts = [&] {
+      const auto bytes = std::as_bytes(counts);
+      return static_cast<std::int64_t>(
+          std::hash<std::string_view>{}(std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size())));
+    };
     Writer w;
     w.i64(static_cast<std::int64_t>(reinterpret_cast<std::uintptr_t>(rows.data())));
     w.i64(static_cast<std::int64_t>(rows.row_bytes()));
-    w.dims(counts);
-    const auto all = all_gather(checked(
+    w.i64(static_cast<std::int64_t>(counts.size()));
+    w.i64(digest_of_counts());
+    // Gathered at member 0 and told to all as one buffer: an all_gather would hand every member a
+    // vector of every member's payload (allocations that grow with the square of the group).
+    const auto gathered = gather(checked(
         [&] {
           require_row_counts(rows, counts, size());
           require(rows.space().host_accessible(), Errc::invalid_argument, "a thread group moves host memory, not ",
                   memory_space_text(rows.space()), " memory");
         },
-        w.take()));
-    const auto members = payloads_or_throw("gathering rows", all);
+        w.take()), 0);
+    Bytes joined;
+    if (me_ == 0)
+      joined = outcome([&] {
+        Writer all;
+        for (std::span<const std::byte> p : payloads_or_throw("gathering rows", gathered)) all.bytes(p);
+        return all.take();
+      });
+    const Bytes told = broadcast(joined, 0);
+    Reader in(payload_or_throw(told));
     std::int64_t start = 0;
     for (int r = 0; r < size(); ++r) {
-      Reader in(members[static_cast<std::size_t>(r)]);
       const auto* from = reinterpret_cast<const std::byte*>(static_cast<std::uintptr_t>(in.i64()));
       const std::int64_t row_bytes = in.i64();
-      require(row_bytes == static_cast<std::int64_t>(rows.row_bytes()) && in.dims() == std::vector(counts.begin(), counts.end()),
+      const std::int64_t n_counts = in.i64();
+      require(row_bytes == static_cast<std::int64_t>(rows.row_bytes()) &&
+                  n_counts == static_cast<std::int64_t>(counts.size()) && in.i64() == digest_of_counts(),
               Errc::invalid_argument, "gathering rows: member ", r, " gathers rows of ", row_bytes, " bytes, member ",
               me_, " of ", rows.row_bytes(), " bytes, or with other counts");
       const std::int64_t n = counts[static_cast<std::size_t>(r)];

@@ -72,23 +72,34 @@ std::shared_ptr<const CheckpointReader> open_agreed(const fs::path& path, Proces
 // the same one, in content as well as in name.
 void agree_on_checkpoint(const CheckpointReader& reader, ProcessGroup& group) {
   const std::uint64_t mine = reader.fingerprint();
-  const std::vector<Bytes> all = Protocol::all_gather(group, std::as_bytes(std::span(&mine, 1)));
-  for (std::size_t r = 0; r < all.size(); ++r) {
-    std::uint64_t theirs = 0;
-    if (all[r].size() == sizeof theirs) std::memcpy(&theirs, all[r].data(), sizeof theirs);
-    require(theirs == mine, Errc::replaced, "loading ", reader.path().string(), ": rank ", group.rank(),
-            " opened checkpoint ", reader.contents().id, " but rank ", r,
-            " opened another one (the path was replaced while the ranks opened it, or another tool changed a copy)");
-  }
+  (void)decide_at_root(
+      group, cat("loading ", reader.path().string()),
+      [&] {
+        const auto bytes = std::as_bytes(std::span(&mine, 1));
+        return Bytes(bytes.begin(), bytes.end());
+      },
+      [&](const std::vector<std::span<const std::byte>>& all) {
+        for (std::size_t r = 0; r < all.size(); ++r) {
+          std::uint64_t theirs = 0;
+          if (all[r].size() == sizeof theirs) std::memcpy(&theirs, all[r].data(), sizeof theirs);
+          require(theirs == mine, Errc::replaced, "rank 0 opened checkpoint ", reader.contents().id, " but rank ", r,
+                  " opened another one (the path was replaced while the ranks opened it, or another tool changed a copy)");
+        }
+        return Bytes();
+      });
 }
 
 // Whether the data-parallel copies of this rank's shards can share their reads: the group must be
 // able to move every destination's memory, on every copy.
 bool can_share(ProcessGroup& replicas, const std::vector<ReplicaRows>& rows) {
   const bool mine = std::all_of(rows.begin(), rows.end(), [&](const ReplicaRows& r) { return replicas.moves(r.rows.space()); });
-  const std::byte flag{static_cast<unsigned char>(mine)};
-  const auto all = Protocol::all_gather(replicas, std::span(&flag, 1));
-  return std::all_of(all.begin(), all.end(), [](const Bytes& b) { return b.size() == 1 && b[0] == std::byte{1}; });
+  const Bytes verdict = decide_at_root(
+      replicas, "sharing the reads of data-parallel copies", [&] { return Bytes{std::byte{static_cast<unsigned char>(mine)}}; },
+      [](const std::vector<std::span<const std::byte>>& all) {
+        const bool every = std::all_of(all.begin(), all.end(), [](auto b) { return b.size() == 1 && b[0] == std::byte{1}; });
+        return Bytes{std::byte{static_cast<unsigned char>(every)}};
+      });
+  return verdict.size() == 1 && verdict[0] == std::byte{1};
 }
 
 // Every shard with copies must be copy replica_id of `replicas.size()`, and replica_id must be

@@ -109,20 +109,14 @@ inline std::vector<std::span<const std::byte>> payloads_or_throw(std::string_vie
   throw Error(*code, cat(phase, text));
 }
 
-// One phase on all ranks: every rank runs `step`, all exchange outcomes, and either every rank gets
-// every payload or every rank throws the same error.
-inline void agree(ProcessGroup& group, std::string_view phase, const std::function<void()>& step) {
-  (void)payloads_or_throw(phase, Protocol::all_gather(group, outcome([&] {
-    step();
-    return Bytes();
-  })));
-}
-
 // One phase decided by rank 0: every rank runs `step`, rank 0 alone sees all payloads and runs
-// `decide` on them, and every rank gets rank 0's verdict: its payload, or the same error.
+// `decide` on them, and every rank gets rank 0's verdict: its payload, or the same error. What a
+// rank holds stays one payload (rank 0: one per rank) however many ranks there are: an all_gather
+// would give every rank every rank's outcome, memory that grows with the square of the ranks (4,096
+// thread ranks of one process: gigabytes for each phase).
 inline Bytes decide_at_root(ProcessGroup& group, std::string_view phase, const std::function<Bytes()>& step,
                      const std::function<Bytes(const std::vector<std::span<const std::byte>>&)>& decide) {
-  const std::vector<Bytes> gathered = Protocol::gather(group, outcome(step), 0);
+  std::vector<Bytes> gathered = Protocol::gather(group, outcome(step), 0);
   Bytes verdict;
   if (group.rank() == 0)
     verdict = outcome([&] {
@@ -133,9 +127,22 @@ inline Bytes decide_at_root(ProcessGroup& group, std::string_view phase, const s
         throw std::move(e.add_context(cat(phase, " failed on rank 0")));
       }
     });
+  gathered = {};
   const Bytes shared = group.broadcast(verdict, 0);
   const auto payload = payload_or_throw(shared);
   return {payload.begin(), payload.end()};
+}
+
+// One phase on all ranks: every rank runs `step`, and either every rank succeeds or every rank
+// throws the same error (gathered at rank 0 and told to every rank).
+inline void agree(ProcessGroup& group, std::string_view phase, const std::function<void()>& step) {
+  (void)decide_at_root(
+      group, phase,
+      [&] {
+        step();
+        return Bytes();
+      },
+      [](const std::vector<std::span<const std::byte>>&) { return Bytes(); });
 }
 
 // The outcome of a local check as a message, so that every member can learn every member's verdict.
