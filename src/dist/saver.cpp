@@ -1,4 +1,7 @@
 module;
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <condition_variable>
 #include <cstddef>
@@ -37,6 +40,30 @@ import :staging;
 namespace shardckpt {
 namespace {
 namespace fs = std::filesystem;
+
+// A budget this process can never hold fails when the saver is made (Errc::resources naming the
+// budget and the limit), not at the first save that maps and locks it: that would touch every page
+// of it (locking faults them in) or take the machine's memory until the OOM killer comes, or fail
+// as a mapping error. The limits: physical memory, and the address space and data limits a mapping
+// counts against. Locked memory beyond RLIMIT_MEMLOCK stays pageable (allocate_locked: best effort).
+void require_budget_fits(std::size_t budget) {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  if (pages > 0 && page > 0) {
+    const auto physical = static_cast<std::size_t>(pages) * static_cast<std::size_t>(page);
+    require(budget <= physical, Errc::resources, "a saver's host budget of ", budget,
+            " bytes (async_host_bytes, never less than its pool of staging buffers) is more than the ", physical,
+            " bytes of this machine's physical memory");
+  }
+  for (const auto& [resource, name] :
+       {std::pair{RLIMIT_AS, "RLIMIT_AS (address space)"}, std::pair{RLIMIT_DATA, "RLIMIT_DATA"}}) {
+    rlimit limit{};
+    if (::getrlimit(resource, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) continue;
+    require(budget <= limit.rlim_cur, Errc::resources, "a saver's host budget of ", budget,
+            " bytes (async_host_bytes, never less than its pool of staging buffers) is more than this process's ",
+            name, " limit of ", static_cast<std::uint64_t>(limit.rlim_cur), " bytes");
+  }
+}
+
 }  // namespace
 
 // ---- async saves -------------------------------------------------------------------------------
@@ -121,10 +148,16 @@ struct Saver::Impl {
     if (background.joinable()) background.join();
   }
 
-  // Pinned memory of the engine's (locked host memory without an engine) for the budget.
+  // Pinned memory of the engine's (locked host memory without an engine) for the budget; a mapping
+  // the kernel refuses (the address space or memory left) is the budget's Errc::resources.
   void allocate_budget() {
     const Extents shape{static_cast<std::int64_t>(budget)};
-    memory = options.engine ? options.engine->allocate_pinned(DType::u8, shape) : allocate_locked(DType::u8, shape);
+    try {
+      memory = options.engine ? options.engine->allocate_pinned(DType::u8, shape) : allocate_locked(DType::u8, shape);
+    } catch (const Error& e) {
+      if (e.code() != Errc::internal) throw;
+      throw Error(Errc::resources, cat("a saver's host budget of ", budget, " bytes could not be allocated: ", e.what()));
+    }
     if (options.engine) pool = std::make_shared<StagingPool>(options.engine, memory, options.staging_buffer_bytes);
   }
 
@@ -189,6 +222,7 @@ Saver::Saver(ProcessGroup& group, SaverOptions options) : impl_(std::make_unique
     const auto pool_bytes = static_cast<std::size_t>(checked_mul(
         o.staging_buffers, static_cast<std::int64_t>(o.staging_buffer_bytes), "the saver's pool in bytes"));
     impl_->budget = std::max(o.async_host_bytes, pool_bytes);
+    require_budget_fits(impl_->budget);
     if (o.engine) impl_->allocate_budget();
   });
 }

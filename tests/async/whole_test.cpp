@@ -1,6 +1,12 @@
 // Async saves whose bytes fit the saver's budget: staged whole before save_async returns (the saved
 // weights are those of the call, whatever the caller does next), the budget allocated once and
-// never grown, a failure in the background as every rank's outcome, one save in flight per saver.
+// never grown, a failure in the background as every rank's outcome, one save in flight per saver, a
+// budget the process cannot hold refused.
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <fstream>
+
 #include "support.hpp"
 
 // The caller changes its weights as soon as save_async returns: the checkpoint holds the weights as
@@ -107,4 +113,82 @@ TEST(AsyncSave, OneSaveInFlightPerSaver) {
   });
   EXPECT_EQ(host_mismatches(c, {2, 1, 0, 1}, dir / "a.h5"), 0);
   EXPECT_EQ(host_mismatches(c, {2, 1, 0, 1}, dir / "b.h5"), 0);
+}
+
+namespace {
+
+// This process's address space in bytes (/proc/self/statm: pages).
+std::size_t mapped_bytes() {
+  std::ifstream statm("/proc/self/statm");
+  std::size_t pages = 0;
+  statm >> pages;
+  return pages * static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+}
+
+// The soft RLIMIT_AS set to `bytes` for one scope.
+class AddressSpaceLimit {
+ public:
+  explicit AddressSpaceLimit(std::size_t bytes) {
+    ::getrlimit(RLIMIT_AS, &old_);
+    rlimit l = old_;
+    l.rlim_cur = bytes;
+    ::setrlimit(RLIMIT_AS, &l);
+  }
+  AddressSpaceLimit(const AddressSpaceLimit&) = delete;
+  AddressSpaceLimit& operator=(const AddressSpaceLimit&) = delete;
+  ~AddressSpaceLimit() { ::setrlimit(RLIMIT_AS, &old_); }
+
+ private:
+  rlimit old_{};
+};
+
+Errc saver_error(std::size_t budget, std::string& message) {
+  SoloGroup solo;
+  try {
+    Saver saver(solo, {.async_host_bytes = budget});
+  } catch (const Error& e) {
+    message = e.what();
+    return e.code();
+  }
+  return Errc::internal;
+}
+
+}  // namespace
+
+// A budget the process can never hold is refused when the saver is made, naming the budget and the
+// limit, before a byte is mapped: more than physical memory (which locking it would take, page by
+// page, until the OOM killer came), any size_t, more than RLIMIT_AS. One under RLIMIT_AS that the
+// address space left cannot map is Errc::resources too, at the save that allocates it.
+TEST(AsyncSave, ABudgetThisProcessCannotHoldIsRefusedWhenTheSaverIsMade) {
+  const std::size_t physical =
+      static_cast<std::size_t>(::sysconf(_SC_PHYS_PAGES)) * static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  std::string message;
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(saver_error(physical + 1, message), Errc::resources);
+  EXPECT_NE(message.find(cat("budget of ", physical + 1, " bytes")), std::string::npos) << message;
+  EXPECT_NE(message.find(cat(physical, " bytes of this machine's physical memory")), std::string::npos) << message;
+  EXPECT_EQ(saver_error(std::size_t{1} << 40, message), Errc::resources);
+  EXPECT_EQ(saver_error(~std::size_t{0}, message), Errc::resources);
+  EXPECT_NE(message.find("18446744073709551615 bytes"), std::string::npos) << message;
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(1));  // nothing was mapped
+  {
+    const std::size_t limit = mapped_bytes() + (std::size_t{64} << 20);
+    const AddressSpaceLimit as(limit);
+    EXPECT_EQ(saver_error(limit + 1, message), Errc::resources);
+    EXPECT_NE(message.find(cat("RLIMIT_AS (address space) limit of ", limit, " bytes")), std::string::npos) << message;
+    // Under the limit, more than the address space left: the save that maps it fails on resources.
+    ScratchDir dir;
+    SoloGroup solo;
+    Saver saver(solo, {.async_host_bytes = limit - (std::size_t{1} << 20)});
+    StateDict s;
+    SharedBuffer t = SharedBuffer::zeros(DType::f32, {4, 4});
+    s.add(ShardedTensor::of("t", TensorRef(t), {4, 4}, {0, 0}));
+    try {
+      saver.save_async(s, dir / "a.h5").wait();
+      ADD_FAILURE() << "a budget the address space cannot hold was allocated";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::resources) << e.what();
+      EXPECT_NE(std::string(e.what()).find("could not be allocated"), std::string::npos) << e.what();
+    }
+  }
 }
