@@ -156,7 +156,8 @@ struct Saver::Impl {
       memory = options.engine ? options.engine->allocate_pinned(DType::u8, shape) : allocate_locked(DType::u8, shape);
     } catch (const Error& e) {
       if (e.code() != Errc::internal) throw;
-      throw Error(Errc::resources, cat("a saver's host budget of ", budget, " bytes could not be allocated: ", e.what()));
+      throw Error(Errc::resources,
+                  cat("a saver's host budget of ", budget, " bytes could not be allocated: ", e.what()));
     }
     if (options.engine) pool = std::make_shared<StagingPool>(options.engine, memory, options.staging_buffer_bytes);
   }
