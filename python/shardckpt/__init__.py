@@ -89,41 +89,49 @@ def inspect(path):
 
 def verify(path):
     """Checks every byte of the checkpoint against its checksum; returns the report, or raises
-    shardckpt.Error (code "corrupt") naming the first rows that differ."""
-    report = _core.verify(os.fspath(path))
-    if report["mismatches"]:
-        error = Error(f"{os.fspath(path)}: {report['mismatches']} checksummed rows differ from their checksums: "
-                      + "; ".join(report["problems"]))
-        error.code = "corrupt"
-        raise error
-    return report
+    shardckpt.Error: code "corrupt" naming the first rows that differ, "invalid_argument" for a
+    checkpoint without checksums (nothing verified), as `shardckpt verify` exits 1 for both."""
+    return _core.verify(os.fspath(path))
 
 
 class Saver:
     """Repeated saves of one rank, and saves in the background (collective to make: every rank
     makes one). save_async plans this rank's pieces and returns: at once, before any byte is copied,
     when the rank's bytes exceed the saver's host budget (async_host_bytes, never less than the
-    pool of 2 x staging_buffer_bytes), after staging them all when they fit. The handle's
-    wait_staged() returns once every byte has left the tensors (call it before the optimizer step
-    changes them); wait() returns the collective outcome or raises it. check_unchanged=True hashes
-    every row at save_async and again as it is staged: a tensor changed too early fails the save
-    (shardckpt.Error, code "shard_changed", naming the key and rows)."""
+    pool of 2 x staging_buffer_bytes) and lie in device memory; once the save has read them when they
+    lie in host memory (Python code may free a host tensor's memory at any time: docs/python.md);
+    after staging them all when they fit. The handle's wait_staged() returns once every byte has left
+    the tensors (call it before the optimizer step changes them); wait() returns the collective
+    outcome or raises it. check_unchanged=True hashes every row at save_async and again as it is
+    staged: a tensor changed too early fails the save (shardckpt.Error, code "shard_changed", naming
+    the key and rows). close() ends the save in flight and frees the saver's memory; every saver
+    still open is closed at interpreter exit, after its save in flight has ended."""
+
+    _saver = None  # none in a Saver made by Saver.__new__ without __init__
 
     def __init__(self, group=None, cuda_device=None, async_host_bytes=0, check_unchanged=False,
                  staging_buffer_bytes=64 << 20):
         self._saver = _core.Saver(_group(group), cuda_device, async_host_bytes, check_unchanged,
                                   staging_buffer_bytes)
 
+    def _core(self):
+        if self._saver is None:
+            raise TypeError("this Saver was made by Saver.__new__ without __init__: it holds no Saver")
+        return self._saver
+
     def save(self, state, path):
         _sync_cuda()
-        self._saver.save(state, os.fspath(path))
+        self._core().save(state, os.fspath(path))
 
     def save_async(self, state, path):
         _sync_cuda()  # the saver's copies may start at once: what torch queued must be done first
-        return self._saver.save_async(state, os.fspath(path))
+        return self._core().save_async(state, os.fspath(path))
+
+    def close(self):
+        self._core().close()
 
     def async_host_bytes(self):
-        return self._saver.async_host_bytes()
+        return self._core().async_host_bytes()
 
     def staging_bytes(self):
-        return self._saver.staging_bytes()
+        return self._core().staging_bytes()

@@ -8,6 +8,13 @@ rows straight into the other members' memory.
 import json
 
 
+def _timeout_of(dist, pg):
+    """The timeout of torch.distributed group `pg` (the default group when None), where torch says it
+    (the options of a ProcessGroupGloo or ProcessGroupNCCL), else None."""
+    group = pg if pg is not None else dist.distributed_c10d._get_default_group()
+    return getattr(getattr(group, "options", None), "_timeout", None)
+
+
 class TorchGroup:
     """shardckpt's process group over the torch.distributed group `pg` (the default group when
     None): gloo moves host memory, NCCL device memory. `private` is a second group of the same
@@ -29,6 +36,9 @@ class TorchGroup:
         # Collective results come in the group's own rank order (ascending global rank).
         self._group_rank = [self._sorted.index(g) for g in self._members]
         self._nccl = dist.get_backend(pg) == "nccl"
+        # The groups split makes (a Saver's private group) time out as this one does: torch's
+        # new_group takes its own timeout (30 minutes) otherwise, whatever init_process_group was given.
+        self._timeout = _timeout_of(dist, pg)
         self._device = torch.device("cuda", torch.cuda.current_device()) if self._nccl else torch.device("cpu")
 
     # The group protocol shardckpt's C++ library calls (with the GIL), and what a user may ask.
@@ -137,7 +147,9 @@ class TorchGroup:
         for c in sorted({c for c, _, _ in everyone}):
             order = [g for _, _, g in sorted((k, r, g) for r, (cc, k, g) in enumerate(everyone) if cc == c)]
             backend = self._dist.get_backend(self._pg)
-            pg = self._dist.new_group(ranks=sorted(order), backend=backend)  # every process makes every group
+            timeout = {} if self._timeout is None else {"timeout": self._timeout}
+            # every process makes every group
+            pg = self._dist.new_group(ranks=sorted(order), backend=backend, **timeout)
             if c == color:
                 mine_group = TorchGroup(pg, _members=order)
         return mine_group

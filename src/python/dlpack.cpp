@@ -117,8 +117,10 @@ SharedBuffer buffer_of(DLManagedTensor* managed, std::string_view key) {
     dtype = dtype_of(t.dtype, key);
     shape = Extents(std::span<const std::int64_t>(t.shape, static_cast<std::size_t>(t.ndim)));
     const MemorySpace space = space_of(t.device, key);
-    auto* data = static_cast<std::byte*>(t.data) + t.byte_offset;
     const auto bytes = static_cast<std::size_t>(shape.elements()) * dtype_size(dtype);
+    if (t.data == nullptr && bytes > 0)
+      throw py::value_error(cat(key, ": a tensor of ", bytes, " bytes whose data pointer is null (no memory)"));
+    auto* data = static_cast<std::byte*>(t.data) + t.byte_offset;
     memory = std::make_shared<DlpackAllocation>(managed, data, bytes, space);
   } catch (...) {
     give_back();
@@ -171,6 +173,11 @@ struct LibraryTensor {
 };
 
 }  // namespace
+}  // namespace shardckpt::python
+
+SHARDCKPT_CONSTRUCTED_ONLY(shardckpt::python::LibraryTensor)
+
+namespace shardckpt::python {
 
 SharedBuffer buffer_from_dlpack(py::handle tensor, std::string_view key) {
   if (PyCapsule_CheckExact(tensor.ptr())) return buffer_of(take_capsule(tensor, key), key);

@@ -11,6 +11,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -97,32 +98,132 @@ py::dict tensors_dict(LoadedState& loaded) {
   py::dict out;
   for (const std::string& key : loaded.keys()) {
     if (loaded.values().contains(key)) {
-      out[py::str(key)] = python_value(loaded.value(key));
+      out[value_text(key)] = python_value(loaded.value(key));
     } else {
-      out[py::str(key)] = tensor_object(loaded.tensor(key));
+      out[value_text(key)] = tensor_object(loaded.tensor(key));
     }
   }
   return out;
 }
 
-// A saver, or an async save in flight, held for Python: it goes without the GIL, since its end
-// waits for a background save whose process group needs the GIL.
-template <class T>
-struct ReleasedOnDestruction {
-  std::unique_ptr<T> held;
-  ReleasedOnDestruction() = default;
-  ReleasedOnDestruction(ReleasedOnDestruction&&) = default;
-  ~ReleasedOnDestruction() {
-    if (_Py_IsFinalizing()) {  // the interpreter is going: no thread state to release
-      held.reset();
+// An async save as Python holds it: the save, its path, what this rank's state dict lost before it
+// began (Resolved::gone: its wait raises that here) and whether anyone waited for its outcome.
+struct Pending {
+  AsyncSave save;
+  std::string path;
+  std::vector<std::string> gone;
+  bool waited = false;
+
+  void wait() {
+    waited = true;
+    py::gil_scoped_release nogil;
+    try {
+      save.wait();
+    } catch (const Error&) {
+      raise_gone(gone);
+      throw;
+    }
+  }
+};
+
+struct PyAsyncSave {
+  std::shared_ptr<Pending> pending;
+};
+
+// Set by close_savers: the interpreter is exiting, and a save begun now could outlive it.
+bool exiting = false;
+
+// A saver held for Python. An async save runs on the saver's thread and calls the process group's
+// Python methods, taking the GIL; a thread that takes the GIL once the interpreter is finalizing is
+// ended by pthread_exit, which unwinds through C++ frames that may not be unwound (SIGABRT:
+// "terminate called without an active exception", "FATAL: exception not rethrown"). So every saver's
+// thread ends before finalization: a saver goes without the GIL (its end waits for the save in
+// flight, whose group needs the GIL), and at exit (atexit, while the interpreter still runs
+// everything) close_savers closes every saver still alive, which lets its save finish. A closed
+// saver refuses every call. A call that releases the GIL holds the saver for as long as it runs
+// (use()), so that close() from another thread cannot free it under the call; the last holder then
+// frees it, without the GIL.
+class PySaver {
+ public:
+  PySaver() { live().insert(this); }
+  PySaver(PySaver&& other) noexcept : held_(std::move(other.held_)), last_(std::move(other.last_)) {
+    live().insert(this);
+  }
+  PySaver& operator=(PySaver&&) = delete;
+  ~PySaver() {
+    live().erase(this);
+    close();
+  }
+
+  static std::set<PySaver*>& live() {
+    static std::set<PySaver*> savers;  // touched with the GIL held only
+    return savers;
+  }
+
+  void open(std::shared_ptr<Saver> saver) { held_ = std::move(saver); }
+  std::shared_ptr<Saver> use() const {
+    require(held_ != nullptr, Errc::invalid_argument,
+            "this Saver is closed (by close(), or at interpreter exit): make a new one");
+    return held_;
+  }
+  // The latest async save, reported at exit when it failed and nobody waited for it.
+  void track(std::shared_ptr<Pending> pending) { last_ = std::move(pending); }
+  const std::shared_ptr<Pending>& last() const { return last_; }
+
+  // Ends the save in flight, if any, and frees the saver's memory and private group.
+  void close() {
+    std::shared_ptr<Saver> saver = std::move(held_);
+    if (!saver) return;
+    if (_Py_IsFinalizing()) {  // no thread state to release; close_savers ended every save already
+      saver.reset();
       return;
     }
     py::gil_scoped_release nogil;
-    held.reset();
+    saver.reset();
   }
+
+ private:
+  std::shared_ptr<Saver> held_;
+  std::shared_ptr<Pending> last_;
 };
-using PyAsyncSave = ReleasedOnDestruction<AsyncSave>;
-using PySaver = ReleasedOnDestruction<Saver>;
+
+// At interpreter exit (atexit): every saver still alive finishes its save in flight and closes, and
+// a save that failed without anyone waiting for it says so on stderr.
+void close_savers() {
+  exiting = true;
+  const std::vector<PySaver*> savers(PySaver::live().begin(), PySaver::live().end());
+  for (PySaver* s : savers) {
+    const std::shared_ptr<Pending> last = s->last();
+    s->close();
+    if (!last || last->waited) continue;
+    try {
+      last->wait();
+    } catch (const std::exception& e) {
+      py::module_::import("sys").attr("stderr").attr("write")(
+          message_text(cat("shardckpt: an async save to ", last->path, " that nobody waited for failed at exit: ",
+                           e.what(), "\n")));
+    }
+  }
+}
+
+// A byte count from Python: an int from 0 to 2**64 - 1 (ValueError otherwise, naming `what`).
+std::size_t byte_count(const py::int_& value, const char* what) {
+  const unsigned long long n = PyLong_AsUnsignedLongLong(value.ptr());
+  if (n == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
+    PyErr_Clear();
+    throw py::value_error(cat(what, " ", std::string(py::repr(value)), ": a number of bytes is 0 to 2**64 - 1"));
+  }
+  return static_cast<std::size_t>(n);
+}
+
+}  // namespace
+}  // namespace shardckpt::python
+
+SHARDCKPT_CONSTRUCTED_ONLY(shardckpt::python::PyAsyncSave)
+SHARDCKPT_CONSTRUCTED_ONLY(shardckpt::python::PySaver)
+
+namespace shardckpt::python {
+namespace {
 
 py::dict verify_dict(const VerifyReport& r) {
   py::dict d;
@@ -131,7 +232,9 @@ py::dict verify_dict(const VerifyReport& r) {
   d["bytes"] = r.bytes;
   d["checksum_rows"] = r.checksum_rows;
   d["mismatches"] = r.mismatches;
-  d["problems"] = r.problems;
+  py::list problems;
+  for (const std::string& p : r.problems) problems.append(message_text(p));
+  d["problems"] = problems;
   return d;
 }
 
@@ -139,27 +242,27 @@ py::dict inspect_dict(const CheckpointReader& r) {
   py::list tensors, params;
   for (const Dataset& d : r.datasets()) {
     py::dict t;
-    t["key"] = d.key;
+    t["key"] = value_text(d.key);
     t["dtype"] = std::string(dtype_name(d.dtype));
     t["global_shape"] = py::tuple(py::cast(d.shape));
     tensors.append(t);
   }
   for (const ParamRecord& p : r.params()) {
     py::dict rec;
-    rec["key"] = p.key;
+    rec["key"] = value_text(p.key);
     rec["tp_axis"] = std::string(tp_axis_name(p.tp_axis));
     rec["trailing"] = p.trailing;
     py::list blocks;
-    for (const Section& s : p.blocks) blocks.append(py::make_tuple(block_key(p.key, s.name), s.rows));
+    for (const Section& s : p.blocks) blocks.append(py::make_tuple(value_text(block_key(p.key, s.name)), s.rows));
     rec["blocks"] = blocks;
     py::list divisors;
-    for (const TpDivisor& d : p.divisors) divisors.append(py::make_tuple(d.name, d.count));
+    for (const TpDivisor& d : p.divisors) divisors.append(py::make_tuple(value_text(d.name), d.count));
     rec["divisors"] = divisors;
     params.append(rec);
   }
   py::dict out;
   out["format_version"] = r.version();
-  out["checkpoint_id"] = r.contents().id;
+  out["checkpoint_id"] = value_text(r.contents().id);
   out["checksummed"] = r.checksummed();
   out["tensors"] = tensors;
   out["params"] = params;
@@ -174,28 +277,24 @@ void bind_saver(py::module_& m) {
       .def("wait_staged",
            [](PyAsyncSave& s) {
              py::gil_scoped_release nogil;
-             s.held->wait_staged();
+             s.pending->save.wait_staged();
            })
-      .def("staged", [](const PyAsyncSave& s) { return s.held->staged(); })
-      .def("wait",
-           [](PyAsyncSave& s) {
-             py::gil_scoped_release nogil;
-             s.held->wait();
-           })
-      .def("done", [](const PyAsyncSave& s) { return s.held->done(); });
+      .def("staged", [](const PyAsyncSave& s) { return s.pending->save.staged(); })
+      .def("wait", [](PyAsyncSave& s) { s.pending->wait(); })
+      .def("done", [](const PyAsyncSave& s) { return s.pending->save.done(); });
   py::class_<PySaver>(m, "Saver", "Repeated (and async) saves of one rank; collective to make.")
-      .def(py::init([](py::object group, std::optional<int> cuda_device, std::size_t async_host_bytes,
-                       bool check_unchanged, std::size_t staging_buffer_bytes) {
+      .def(py::init([](py::object group, std::optional<int> cuda_device, const py::int_& async_host_bytes,
+                       bool check_unchanged, const py::int_& staging_buffer_bytes) {
              SaverOptions o;
-             o.async_host_bytes = async_host_bytes;
+             o.async_host_bytes = byte_count(async_host_bytes, "async_host_bytes");
              o.check_unchanged = check_unchanged;
-             o.staging_buffer_bytes = staging_buffer_bytes;
+             o.staging_buffer_bytes = byte_count(staging_buffer_bytes, "staging_buffer_bytes");
              if (cuda_device) o.engine = cuda_engine(*cuda_device);
              GroupArg g(group);
              PySaver s;
              {
                py::gil_scoped_release nogil;
-               s.held = std::make_unique<Saver>(g.get(), std::move(o));
+               s.open(std::make_shared<Saver>(g.get(), std::move(o)));
              }
              return s;
            }),
@@ -203,20 +302,45 @@ void bind_saver(py::module_& m) {
            py::arg("check_unchanged") = false, py::arg("staging_buffer_bytes") = StagingPool::default_buffer_bytes)
       .def("save",
            [](PySaver& s, const PyStateDict& state, const Path& path) {
-             py::gil_scoped_release nogil;
-             s.held->save(state.state, path);
+             std::shared_ptr<Saver> saver = s.use();
+             resolve(state).run([&](StateDict& st) {
+               py::gil_scoped_release nogil;
+               const std::shared_ptr<Saver> held = std::move(saver);  // dropped before the GIL is back
+               held->save(st, path);
+             });
            },
            py::arg("state"), py::arg("path"))
+      // A rank whose bytes exceed the budget streams them from its shards after save_async returns.
+      // Device memory does (torch's caching allocator keeps a freed block mapped: a shard changed too
+      // early gives other bytes); host memory may not: Python code can free a host
+      // tensor's memory at any time (resize_, storage resize_), and nothing in torch keeps it or
+      // refuses that, so a save still reading it would read freed memory. So save_async returns once
+      // the save has read every host byte (the caller waits for the writes of a streamed rank, not
+      // for the sync and the commit; a budget that holds the rank stages it and returns at once).
       .def("save_async",
            [](PySaver& s, const PyStateDict& state, const Path& path) {
-             PyAsyncSave out;
-             py::gil_scoped_release nogil;
-             out.held = std::make_unique<AsyncSave>(s.held->save_async(state.state, path));
-             return out;
+             std::shared_ptr<Saver> saver = s.use();
+             require(!exiting && !_Py_IsFinalizing(), Errc::invalid_argument,
+                     "save_async at interpreter exit: its thread could not run past the interpreter; call save()");
+             Resolved r = resolve(state);
+             auto pending = std::make_shared<Pending>();
+             pending->path = path.string();
+             pending->gone = std::move(r.gone);
+             {
+               py::gil_scoped_release nogil;
+               const std::shared_ptr<Saver> held = std::move(saver);  // dropped before the GIL is back
+               pending->save = held->save_async(r.state, path);
+               if (r.host) pending->save.wait_staged();
+             }
+             s.track(pending);
+             return PyAsyncSave{pending};
            },
            py::arg("state"), py::arg("path"))
-      .def("async_host_bytes", [](const PySaver& s) { return s.held->async_host_bytes(); })
-      .def("staging_bytes", [](const PySaver& s) { return s.held->staging_bytes(); });
+      .def("close", &PySaver::close,
+           "Ends the save in flight (if any) and frees the saver's memory and private group; a closed saver "
+           "refuses every call. Every saver still open closes at interpreter exit.")
+      .def("async_host_bytes", [](const PySaver& s) { return s.use()->async_host_bytes(); })
+      .def("staging_bytes", [](const PySaver& s) { return s.use()->staging_bytes(); });
 }
 
 }  // namespace
@@ -226,8 +350,10 @@ void bind_io(py::module_& m) {
         [](const PyStateDict& state, const Path& path, py::object group, const std::string& method, bool checksums) {
           SaveOptions o = save_options(state.state, method, checksums);
           GroupArg g(group);
-          py::gil_scoped_release nogil;
-          save(state.state, path, g.get(), std::move(o));
+          resolve(state).run([&](StateDict& st) {
+            py::gil_scoped_release nogil;
+            save(st, path, g.get(), std::move(o));
+          });
         },
         py::arg("state"), py::arg("path"), py::arg("group") = py::none(), py::arg("method") = "raw",
         py::arg("checksums") = true);
@@ -236,11 +362,10 @@ void bind_io(py::module_& m) {
            bool bypass_page_cache) {
           LoadOptions o = load_options(state.state, method, verify_checksums, bypass_page_cache);
           GroupArg g(group);
-          Values values;
-          {
+          const Values values = resolve(state).run([&](StateDict& st) {
             py::gil_scoped_release nogil;
-            values = load_into(path, state.state, g.get(), std::move(o));
-          }
+            return load_into(path, st, g.get(), std::move(o));
+          });
           return python_values(values);
         },
         py::arg("path"), py::arg("state"), py::arg("group") = py::none(), py::arg("method") = "raw",
@@ -271,11 +396,21 @@ void bind_io(py::module_& m) {
           return tensors_dict(*loaded);
         },
         py::arg("path"), py::arg("tp") = 1, py::arg("tp_rank") = 0);
+  // The CLI's answer (src/cli/verify.cpp): verified when the checkpoint is checksummed and every row
+  // matches; a checkpoint without checksums is not verified (the CLI exits 1 for it).
   m.def("verify", [](const Path& path) {
     VerifyReport report;
     {
       py::gil_scoped_release nogil;
       report = verify_checkpoint(CheckpointReader(path));
+    }
+    require(report.checksummed, Errc::invalid_argument, path.string(),
+            ": no checksums (saved with checksums=False, or written before checksums existed): nothing verified");
+    if (report.mismatches > 0) {
+      std::string problems;
+      for (const std::string& p : report.problems) problems += cat(problems.empty() ? "" : "; ", p);
+      throw Error(Errc::corrupt, cat(path.string(), ": ", report.mismatches,
+                                     " checksummed rows differ from their checksums: ", problems));
     }
     return verify_dict(report);
   });
@@ -290,6 +425,7 @@ void bind_io(py::module_& m) {
     return inspect_dict(*reader);
   });
   bind_saver(m);
+  py::module_::import("atexit").attr("register")(py::cpp_function(&close_savers));
 }
 
 }  // namespace shardckpt::python

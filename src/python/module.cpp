@@ -10,6 +10,8 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
+#include <typeinfo>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -22,6 +24,45 @@ namespace shardckpt::python {
 
 void bind_tensor(py::module_& m);
 
+void require_constructed(py::handle object, const std::type_info& type) {
+  const py::detail::type_info* info = py::detail::get_type_info(type);
+  if (info == nullptr || !object || !PyObject_TypeCheck(object.ptr(), info->type)) return;  // not ours to refuse
+  auto* instance = reinterpret_cast<py::detail::instance*>(object.ptr());
+  const py::detail::value_and_holder v = instance->get_value_and_holder(info, false);
+  // A wrapper made by __init__ or by a cast holds its object's address (a reference a cast returned
+  // holds no holder); only __new__ leaves it null, until pybind11's base caster would fill it with
+  // raw memory, which this caster never lets it reach.
+  if (v && v.value_ptr() != nullptr) return;
+  const std::string name = py::str(py::type::of(object).attr("__name__"));
+  throw py::type_error(cat("this ", name, " was made by ", name, ".__new__ without __init__: it holds no ", name));
+}
+
+namespace {
+
+py::str decoded(std::string_view text, const char* errors) {
+  PyObject* s = PyUnicode_DecodeUTF8(text.data(), static_cast<Py_ssize_t>(text.size()), errors);
+  if (s == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::str>(s);
+}
+
+}  // namespace
+
+py::str message_text(std::string_view text) { return decoded(text, "backslashreplace"); }
+
+py::str value_text(std::string_view text) { return decoded(text, "surrogateescape"); }
+
+std::string utf8_text(py::handle text, std::string_view what) {
+  if (!PyUnicode_Check(text.ptr()))
+    throw py::type_error(cat(what, ": a str, not a ", std::string(py::str(py::type::of(text).attr("__name__")))));
+  Py_ssize_t size = 0;
+  const char* utf8 = PyUnicode_AsUTF8AndSize(text.ptr(), &size);
+  if (utf8 != nullptr) return {utf8, static_cast<std::size_t>(size)};
+  PyErr_Clear();
+  throw py::value_error(cat(what, " ", std::string(py::repr(text)),
+                            ": a str with a lone surrogate, which is no text (it has no UTF-8 form); "
+                            "a checkpoint holds UTF-8 text only"));
+}
+
 CommonValue common_value(py::handle value, std::string_view key) {
   // bool is an int in Python; a flag saved as 0/1 reads back as an int, so say so up front.
   if (py::isinstance<py::bool_>(value)) return CommonValue{std::int64_t{value.cast<bool>()}};
@@ -33,18 +74,26 @@ CommonValue common_value(py::handle value, std::string_view key) {
     }
   }
   if (py::isinstance<py::float_>(value)) return CommonValue{value.cast<double>()};
-  if (py::isinstance<py::str>(value)) return CommonValue{value.cast<std::string>()};
+  if (py::isinstance<py::str>(value)) return CommonValue{utf8_text(value, cat("key ", key, ": the value"))};
   throw py::type_error(cat(key, ": a common value is an int, a float or a str, not a ",
                            std::string(py::str(py::type::of(value).attr("__name__")))));
 }
 
 py::object python_value(const CommonValue& value) {
-  return std::visit([](const auto& v) { return py::object(py::cast(v)); }, value);
+  return std::visit(
+      [](const auto& v) -> py::object {
+        if constexpr (std::is_same_v<std::decay_t<decltype(v)>, std::string>) {
+          return value_text(v);
+        } else {
+          return py::cast(v);
+        }
+      },
+      value);
 }
 
 py::dict python_values(const Values& values) {
   py::dict out;
-  for (const auto& [key, value] : values) out[py::str(key)] = python_value(value);
+  for (const auto& [key, value] : values) out[value_text(key)] = python_value(value);
   return out;
 }
 
@@ -55,6 +104,20 @@ struct Param {
   ShardedParam param;
   py::object shard = py::none();
 };
+
+struct TensorEntry {
+  ShardedTensor tensor;
+  py::object data = py::none();
+};
+
+}  // namespace
+}  // namespace shardckpt::python
+
+SHARDCKPT_CONSTRUCTED_ONLY(shardckpt::python::Param)
+SHARDCKPT_CONSTRUCTED_ONLY(shardckpt::python::TensorEntry)
+
+namespace shardckpt::python {
+namespace {
 
 DType dtype_arg(py::handle dtype) {
   std::string name = py::str(dtype);
@@ -122,9 +185,9 @@ void bind_specs(py::module_& m) {
       .def("__repr__", [](const TpDivisor& d) { return cat("TpDivisor('", d.name, "', ", d.count, ")"); });
   m.def("ssm_divisors", &ssm_divisors, py::arg("dims"), "What a fused GDP or Mamba weight must be given: heads, groups.");
   py::class_<ParamSpec>(m, "ParamSpec", "One parameter as a TP rank holds it before GTP.")
-      .def(py::init([](std::string key, std::vector<Section> sections, std::vector<std::int64_t> trailing,
+      .def(py::init([](const py::str& key, std::vector<Section> sections, std::vector<std::int64_t> trailing,
                        const std::string& tp_axis, std::int64_t tp, std::vector<TpDivisor> divisors) {
-             ParamSpec s{std::move(key), std::move(sections), std::move(trailing), parse_tp_axis(tp_axis), tp,
+             ParamSpec s{utf8_text(key, "key"), std::move(sections), std::move(trailing), parse_tp_axis(tp_axis), tp,
                          std::move(divisors)};
              validate(s);
              return s;
@@ -167,7 +230,7 @@ void bind_param(py::module_& m) {
            py::arg("shard") = py::none(), py::arg("replica_id") = 0, py::arg("replicas") = 1,
            py::arg("dtype") = py::none(), py::arg("flat") = py::none())
       .def_property_readonly("spec", [](const Param& p) { return p.param.spec; })
-      .def_property_readonly("key", [](const Param& p) { return p.param.spec.key; })
+      .def_property_readonly("key", [](const Param& p) { return value_text(p.param.spec.key); })
       .def_property_readonly("dtype", [](const Param& p) { return std::string(dtype_name(p.param.dtype)); })
       .def_property_readonly("gtp", [](const Param& p) { return p.param.gtp; })
       .def_property_readonly("align", [](const Param& p) { return p.param.align; })
@@ -189,16 +252,12 @@ void bind_param(py::module_& m) {
       .def("__repr__", [](const Param& p) { return p.param.describe(); });
 }
 
-struct TensorEntry {
-  ShardedTensor tensor;
-  py::object data = py::none();
-};
-
 void bind_tensor_entry(py::module_& m) {
   py::class_<TensorEntry>(m, "ShardedTensor", "A shard of a tensor under its global key, at its global offset.")
-      .def(py::init([](std::string key, py::object data, std::vector<std::int64_t> global_shape,
+      .def(py::init([](const py::str& name, py::object data, std::vector<std::int64_t> global_shape,
                        std::vector<std::int64_t> global_offset, int replica_id, int replicas) {
              TensorEntry t;
+             std::string key = utf8_text(name, "key");
              SharedBuffer buffer = buffer_from_dlpack(data, key);
              t.tensor = ShardedTensor::of(std::move(key), TensorRef(std::move(buffer)), std::move(global_shape),
                                           std::move(global_offset), replica_id, replicas);
@@ -208,42 +267,102 @@ void bind_tensor_entry(py::module_& m) {
            py::arg("key"), py::arg("data"), py::arg("global_shape"), py::arg("global_offset"),
            py::arg("replica_id") = 0, py::arg("replicas") = 1)
       .def_static("expect",
-                  [](std::string key, py::object dtype, std::vector<std::int64_t> shape,
+                  [](const py::str& key, py::object dtype, std::vector<std::int64_t> shape,
                      std::vector<std::int64_t> global_shape, std::vector<std::int64_t> global_offset) {
                     TensorEntry t;
-                    t.tensor = ShardedTensor::expect(std::move(key), dtype_arg(dtype), Extents(std::span(shape)),
+                    t.tensor = ShardedTensor::expect(utf8_text(key, "key"), dtype_arg(dtype), Extents(std::span(shape)),
                                                      std::move(global_shape), std::move(global_offset));
                     return t;
                   },
                   py::arg("key"), py::arg("dtype"), py::arg("shape"), py::arg("global_shape"),
                   py::arg("global_offset"), "A load request's entry: load() allocates it.")
-      .def_property_readonly("key", [](const TensorEntry& t) { return t.tensor.key; })
+      .def_property_readonly("key", [](const TensorEntry& t) { return value_text(t.tensor.key); })
       .def_property_readonly("data", [](const TensorEntry& t) { return t.data; });
 }
 
+// The object to take an entry's memory from again: a capsule is consumed once (its memory stays
+// as it was taken), None has none.
+py::object source_of(const py::object& object) {
+  return PyCapsule_CheckExact(object.ptr()) ? py::object(py::none()) : object;
+}
+
+// Takes `source`'s memory again for `ref`; an entry whose memory cannot be taken goes without, and
+// `gone` says why.
+void retake(TensorRef& ref, const py::object& source, const std::string& key, Resolved& out) {
+  if (source.is_none()) return;
+  try {
+    ref = TensorRef(buffer_from_dlpack(source, key));
+  } catch (py::error_already_set& e) {  // __dlpack__ raised: its type and message, without the traceback
+    ref = {};
+    const py::str text = py::str(e.value());
+    const auto utf8 =
+        py::reinterpret_steal<py::bytes>(PyUnicode_AsEncodedString(text.ptr(), "utf-8", "backslashreplace"));
+    out.gone.push_back(cat(key, ": ", std::string(py::str(e.type().attr("__name__"))), ": ", std::string(utf8)));
+  } catch (const py::builtin_exception& e) {
+    ref = {};
+    out.gone.push_back(e.what());
+  } catch (const Error& e) {
+    ref = {};
+    out.gone.push_back(cat(key, ": ", e.what()));
+  }
+}
+
 }  // namespace
+
+Resolved resolve(const PyStateDict& s) {
+  Resolved out{s.state, {}};
+  const auto params = out.state.params();
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    retake(params[i].shard, s.param_sources[i], params[i].spec.key, out);
+    out.host = out.host || (params[i].shard && params[i].shard.space().host_accessible());
+  }
+  const auto tensors = out.state.tensors();
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    retake(tensors[i].data, s.tensor_sources[i], tensors[i].key, out);
+    out.host = out.host || (tensors[i].data && tensors[i].data.space().host_accessible());
+  }
+  return out;
+}
+
+void raise_gone(const std::vector<std::string>& gone) {
+  if (gone.empty()) return;
+  std::string text = "the memory of a tensor of this state dict changed since it was added, and is not a shard any "
+                     "more: ";
+  for (std::size_t i = 0; i < gone.size(); ++i) text += cat(i ? "; " : "", gone[i]);
+  throw Error(Errc::shard_changed, text);
+}
 
 void bind_state(py::module_& m) {
   bind_param(m);
   bind_tensor_entry(m);
   py::class_<PyStateDict>(m, "StateDict", "A rank's state: parameters, tensors, common and local values.")
       .def(py::init<>())
-      .def("add", [](PyStateDict& s, const Param& p) { s.state.add(p.param); s.objects.append(p.shard); })
-      .def("add", [](PyStateDict& s, const TensorEntry& t) { s.state.add(t.tensor); s.objects.append(t.data); })
-      .def("add_common", [](PyStateDict& s, std::string key, py::handle v) {
+      .def("add",
+           [](PyStateDict& s, const Param& p) {
+             s.state.add(p.param);
+             s.param_sources.push_back(source_of(p.shard));
+           })
+      .def("add",
+           [](PyStateDict& s, const TensorEntry& t) {
+             s.state.add(t.tensor);
+             s.tensor_sources.push_back(source_of(t.data));
+           })
+      .def("add_common", [](PyStateDict& s, py::handle k, py::handle v) {
+        std::string key = utf8_text(k, "key");
         CommonValue value = common_value(v, key);
         s.state.add_common(std::move(key), std::move(value));
       })
-      .def("add_local", [](PyStateDict& s, std::string key, py::handle v) {
+      .def("add_local", [](PyStateDict& s, py::handle k, py::handle v) {
+        std::string key = utf8_text(k, "key");
         CommonValue value = common_value(v, key);
         s.state.add_local(std::move(key), std::move(value));
       })
       .def("keys", [](const PyStateDict& s) {
-        std::vector<std::string> keys;
-        for (const ShardedParam& p : s.state.params()) keys.push_back(p.spec.key);
-        for (const ShardedTensor& t : s.state.tensors()) keys.push_back(t.key);
-        for (const auto& [k, v] : s.state.common()) keys.push_back(k);
-        for (const auto& [k, v] : s.state.local()) keys.push_back(k);
+        py::list keys;
+        for (const ShardedParam& p : s.state.params()) keys.append(value_text(p.spec.key));
+        for (const ShardedTensor& t : s.state.tensors()) keys.append(value_text(t.key));
+        for (const auto& [k, v] : s.state.common()) keys.append(value_text(k));
+        for (const auto& [k, v] : s.state.local()) keys.append(value_text(k));
         return keys;
       })
       .def_property_readonly("common", [](const PyStateDict& s) { return python_values(s.state.common()); })
@@ -266,7 +385,7 @@ PYBIND11_MODULE(_core, m) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const shardckpt::Error& e) {
-      py::object exc = py::reinterpret_borrow<py::object>(error)(py::str(std::string(e.message())));
+      py::object exc = py::reinterpret_borrow<py::object>(error)(sp::message_text(e.message()));
       exc.attr("code") = std::string(shardckpt::errc_name(e.code()));
       PyErr_SetObject(error.ptr(), exc.ptr());
     }

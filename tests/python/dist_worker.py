@@ -2,8 +2,11 @@
 its shards of two fused weights (and Adam-like f32 state, and a step) with TorchGroup; `load TP GTP
 ALIGN DIR` loads them back at its own layout and checks every row against the reference;
 `async ...` saves through a Saver in the background while it keeps computing; `badshape ...` has
-rank 1 pass a wrong dtype, so that every rank must raise the same error; `collectives ...` checks
-TorchGroup's metadata collectives with payloads of every length around its inline slot."""
+rank 1 pass a wrong dtype, so that every rank must raise the same error; `gone ...` has rank 1 free
+a weight's memory after adding it, so that every rank must raise; `collectives ...` checks
+TorchGroup's metadata collectives with payloads of every length around its inline slot, and the
+timeout of the groups it splits."""
+import datetime
 import os
 import sys
 
@@ -13,6 +16,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 import shardckpt as sc  # noqa: E402
 from support import reference, shard_of, spec_at  # noqa: E402
+
+
+TIMEOUT = datetime.timedelta(minutes=4)  # a failing job ends in minutes, not torch's default 30
 
 
 def state_at(tp, gtp, align, rank, fill=True):
@@ -50,7 +56,7 @@ def check_collectives(group, rank):
 
 def main():
     what, tp, gtp, align, path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=TIMEOUT)
     rank = dist.get_rank()
     group = sc.TorchGroup()
     if what == "save":
@@ -81,8 +87,22 @@ def main():
             print(f"ERROR {e.code}: {e}")
             return
         print("saved")
+    elif what == "gone":
+        state, params = state_at(tp, gtp, align, rank)
+        if rank == 1:  # its weight's memory freed after it was added, as FSDP frees a parameter's
+            weight = params[0][0].shard
+            (weight.untyped_storage() if hasattr(weight, "untyped_storage") else weight._storage()).resize_(0)
+        try:
+            sc.save(state, path, group)
+        except sc.Error as e:
+            print(f"ERROR {e.code}: {e}")
+            return
+        print("saved")
     elif what == "collectives":
         check_collectives(group, rank)
+        # A group split makes (a Saver's private group) times out as the job's does, not in torch's 30 minutes.
+        options = getattr(group.split(0, rank)._pg, "options", None)
+        assert getattr(options, "_timeout", TIMEOUT) == TIMEOUT, options._timeout
         print("collectives ok")
     elif what == "load":
         state, params = state_at(tp, gtp, align, rank, fill=False)

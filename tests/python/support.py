@@ -49,8 +49,8 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_ranks(world, script, *args, timeout=240):
-    """Runs `script` on `world` processes of one gloo job; returns their (returncode, output)."""
+def start_ranks(world, script, *args):
+    """Starts `script` on `world` processes of one gloo job; returns the processes."""
     port = free_port()
     procs = []
     for rank in range(world):
@@ -58,6 +58,11 @@ def run_ranks(world, script, *args, timeout=240):
                    WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen([sys.executable, script, *map(str, args)], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def finish_ranks(procs, timeout=240):
+    """The (returncode, output) of each process start_ranks started (killed after `timeout` s)."""
     results = []
     for p in procs:
         try:
@@ -68,6 +73,11 @@ def run_ranks(world, script, *args, timeout=240):
             out += "\n(timed out)"
         results.append((p.returncode, out))
     return results
+
+
+def run_ranks(world, script, *args, timeout=240):
+    """Runs `script` on `world` processes of one gloo job; returns their (returncode, output)."""
+    return finish_ranks(start_ranks(world, script, *args), timeout)
 
 
 def h5py_bf16(dataset):

@@ -25,15 +25,20 @@ def param(tp=1, gtp=1, align=0, tp_rank=0, gtp_rank=0, shard=None, kind="gdp"):
 
 class HeldGroup:
     """One process as a Python group: the library calls it with the GIL. A background save's calls
-    (from any thread but the main one) wait for `go` first, so that a test knows where the save is."""
+    (from any thread but the main one) wait for `go` first, so that a test knows where the save is;
+    the first of them runs `first` (another thread's work while the caller waits)."""
 
     def __init__(self):
         self.go = threading.Event()
         self.background_calls = 0
+        self.first = None
 
     def _held(self):
         if threading.current_thread() is not threading.main_thread():
             self.background_calls += 1
+            if self.first is not None:
+                self.first, first = None, self.first
+                first()
             self.go.wait()
 
     def rank(self): return 0
@@ -210,36 +215,37 @@ class Api(unittest.TestCase):
         self.assertTrue(torch.equal(sc.read(self.path)[spec_at(1).key], reference(1, 0)))
         self.assertGreater(saver.staging_bytes(), 0)
 
-    def test_bounded_async_save_returns_at_once_and_waits_staged_without_the_gil(self):
+    def test_a_bounded_async_save_of_host_tensors_returns_once_it_has_read_them_without_the_gil(self):
         t, s = big_state()
         original = t.clone()
         group = HeldGroup()
         saver = sc.Saver(group, staging_buffer_bytes=1 << 20)
         self.assertEqual(saver.async_host_bytes(), 2 << 20)
-        handle = saver.save_async(s, self.path)
-        self.assertFalse(handle.staged())  # its planning waits for group.go: nothing is read yet
-        # The timer's thread, and the save's calls of the group, run only if wait_staged releases the
-        # GIL; if it did not, this process would stop here: the dump ends it in time.
+        # The save's planning waits for group.go, which the timer's thread sets: save_async returns
+        # only once the save has read every host row (Python code may free them as soon as it
+        # returns), and the timer's thread runs only if save_async waits without the GIL; if it did
+        # not, this process would stop here: the dump ends it in time.
         threading.Timer(0.1, group.go.set).start()
         faulthandler.dump_traceback_later(60, exit=True)
         try:
-            handle.wait_staged()
+            handle = saver.save_async(s, self.path)
         finally:
             faulthandler.cancel_dump_traceback_later()
         self.assertTrue(handle.staged())
         self.assertGreater(group.background_calls, 0)
         t.fill_(0)  # the optimizer step
+        handle.wait_staged()
         handle.wait()
         self.assertTrue(torch.equal(sc.read(self.path)["big"], original))
         self.assertEqual(saver.staging_bytes(), 0)  # host tensors stream from where they are
 
-    def test_a_tensor_changed_before_wait_staged_fails_a_checked_save(self):
+    def test_a_tensor_changed_before_the_save_read_it_fails_a_checked_save(self):
         t, s = big_state()
         group = HeldGroup()
+        group.go.set()
+        group.first = lambda: t[3:5].fill_(7)  # another thread, while save_async waits: too early
         saver = sc.Saver(group, staging_buffer_bytes=1 << 20, check_unchanged=True)
         handle = saver.save_async(s, self.path)
-        t[3:5] = 7  # too early: the save has not read these rows
-        group.go.set()
         with self.assertRaises(sc.Error) as e:
             handle.wait()
         self.assertEqual(e.exception.code, "shard_changed")

@@ -51,6 +51,18 @@ class TorchGroupJobs(unittest.TestCase):
         self.assertTrue(errors.pop().startswith("ERROR dtype_mismatch"), outs)
         self.assertFalse(os.path.exists(self.path))
 
+    def test_memory_freed_on_one_rank_fails_the_save_on_every_rank(self):
+        outs = self.job(4, "gone", 2, 2, 16, self.path)  # and none waits for the others: job() has a timeout
+        last = [o.strip().splitlines()[-1] for o in outs]
+        key = "decoder.layers.0.mixer.gdp.in_proj.weight"
+        self.assertTrue(last[1].startswith(f"ERROR shard_changed: the memory of a tensor of this state dict changed "
+                                           f"since it was added"), last[1])
+        self.assertIn(f"{key}: RuntimeError: setStorage", last[1])
+        for rank in (0, 2, 3):
+            self.assertTrue(last[rank].startswith("ERROR invalid_argument:"), last[rank])
+            self.assertIn(f"parameter {key} (TP rank 0, GTP rank 1): no shard to save", last[rank])
+        self.assertFalse(os.path.exists(self.path))
+
     def test_metadata_collectives_carry_every_length_in_member_order(self):
         outs = self.job(4, "collectives", 1, 4, 0, self.path)
         self.assertTrue(all("collectives ok" in o for o in outs), outs)
