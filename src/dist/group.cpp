@@ -185,11 +185,7 @@ class ThreadMember final : public ProcessGroup {
   void all_gather_rows(MutTensorView rows, std::span<const std::int64_t> counts) override {
     // The counts travel as a digest: every member holds every member's payload, so a payload that
     // grew with the group (the counts themselves) would cost memory that grows with its square.
-    const auto digest_of_counts = [&] {
-      const auto bytes = std::as_bytes(counts);
-      return static_cast<std::int64_t>(
-          std::hash<std::string_view>{}(std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size())));
-    };
+    const auto digest_of_counts = [&] { return static_cast<std::int64_t>(digest(std::as_bytes(counts))); };
     Writer w;
     w.i64(static_cast<std::int64_t>(reinterpret_cast<std::uintptr_t>(rows.data())));
     w.i64(static_cast<std::int64_t>(rows.row_bytes()));

@@ -38,12 +38,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// A digest of bytes a rank sent or received, to compare across ranks (not a defence against an
-// adversary: against a process group that garbles or mixes up what it delivers).
-std::uint64_t digest(std::span<const std::byte> bytes) {
-  return std::hash<std::string_view>{}(std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
-}
-
 // The datasets whose first element this rank writes: the one rank that sends a parameter's record
 // is the one that writes the first element of its first block.
 std::set<std::string_view> first_elements(const SavePlan& plan) {

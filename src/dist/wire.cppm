@@ -37,6 +37,12 @@ namespace shardckpt {
 
 using Bytes = std::vector<std::byte>;
 
+// A digest of bytes ranks compare (not a defence against an adversary: against a process group that
+// garbles or mixes up what it delivers, and against members that disagree on what they pass).
+inline std::uint64_t digest(std::span<const std::byte> bytes) {
+  return std::hash<std::string_view>{}(std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
+}
+
 class Writer {
  public:
   void u8(std::uint8_t v) { out_.push_back(static_cast<std::byte>(v)); }
