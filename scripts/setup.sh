@@ -3,20 +3,23 @@
 # --asan) and makes .venv-safetensors (Hugging Face's safetensors from PyPI, for the tests).
 # Idempotent: quiet when everything is already there.
 #
-# --peers (not part of demo.sh or test.sh): also builds build/ and makes build/peers-venv, a virtual
-# environment of /usr/bin/python3 with torch 2.x, safetensors, numpy and h5py from PyPI and the
-# project's package importable (a .pth file naming build/python), for bench/peers.py. PyPI's torch
-# for Linux is a CUDA build: with its nvidia-* wheels about 3 GB to download and 5.5 GB installed; it
-# runs on the CPU as well. The tests never use it: they run Debian's python3-torch 1.13.
+# --torch2 (test.sh): also makes build/peers-venv, a virtual environment of /usr/bin/python3 with
+# torch 2.x, safetensors, numpy, h5py and packaging from PyPI, for the torch 2.x tests (tests/torch2:
+# DTensors, torch.distributed.checkpoint), which are skipped, and say so, when PyPI cannot be reached.
+# PyPI's torch for Linux is a CUDA build: with its nvidia-* wheels about 3 GB to download and 5.5 GB
+# installed; it runs on the CPU as well. The other Python tests run Debian's python3-torch 1.13.
+# --peers (not part of demo.sh or test.sh): --torch2, and builds build/ and makes the project's
+# package importable in that environment (a .pth file naming build/python), for bench/peers.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-asan=false peers=false
+asan=false peers=false torch2=false
 for arg in "$@"; do
   case "$arg" in
     --asan) asan=true ;;
-    --peers) peers=true ;;
-    *) echo "usage: scripts/setup.sh [--asan] [--peers]" >&2; exit 2 ;;
+    --peers) peers=true torch2=true ;;
+    --torch2) torch2=true ;;
+    *) echo "usage: scripts/setup.sh [--asan] [--torch2] [--peers]" >&2; exit 2 ;;
   esac
 done
 
@@ -51,16 +54,19 @@ if $asan; then
   configure build-asan -Db_sanitize=address,undefined -Db_lundef=false -Dfuzz=true
 fi
 
-if $peers; then
+venv=build/peers-venv
+if $torch2; then
   # The extension is built for /usr/bin/python3, so the environment is made from it, without the
   # system's packages (Debian's torch 1.13 would shadow torch 2.x).
-  venv=build/peers-venv
   [ -x "$venv/bin/python" ] || /usr/bin/python3 -m venv "$venv"
-  if ! "$venv/bin/python" -c 'import torch, safetensors, numpy, h5py
+  if ! "$venv/bin/python" -c 'import torch, safetensors, numpy, h5py, packaging
 assert int(torch.__version__.split(".")[0]) >= 2' 2>/dev/null; then
-    echo "setup: installing torch 2.x, safetensors, numpy and h5py from PyPI into $venv (about 3 GB)"
-    "$venv/bin/python" -m pip install -q --disable-pip-version-check "torch>=2.8" safetensors numpy h5py
+    echo "setup: installing torch 2.x, safetensors, numpy, h5py and packaging from PyPI into $venv (about 3 GB)"
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check "torch>=2.8" safetensors numpy h5py packaging \
+      || echo "setup: no torch 2.x (PyPI unreachable?): the torch 2.x tests will be skipped"
   fi
+fi
+if $peers; then
   site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   echo "$(pwd)/build/python" > "$site/shardckpt-build.pth"
   ninja -C build >/dev/null

@@ -6,7 +6,7 @@
 # links. Ends with one line: "tests: N passed, N failed, N skipped".
 set -uo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh --asan || exit 1
+scripts/setup.sh --asan --torch2 || exit 1
 log=$(mktemp)
 work=$(mktemp -d)
 trap 'rm -rf "$log" "$work"' EXIT

@@ -22,11 +22,22 @@ from ._core import (AsyncSave, Error, ParamSpec, Section, ShardedParam, ShardedT
                     gdp_conv1d_sections, gdp_in_proj_sections, mamba_conv1d_sections, mamba_in_proj_sections,
                     plain_sections)
 from ._torch import TorchGroup
+from .state_dict import load_state_dict, save_state_dict
 
 __version__ = _core.__version__
 __all__ = ["AsyncSave", "Error", "ParamSpec", "Saver", "Section", "ShardedParam", "ShardedTensor", "SsmDims",
-           "StateDict", "TorchGroup", "TpDivisor", "gdp_conv1d_sections", "gdp_in_proj_sections", "inspect", "load", "load_into",
-           "mamba_conv1d_sections", "mamba_in_proj_sections", "plain_sections", "read", "save", "ssm_divisors", "verify"]
+           "StateDict", "TorchGroup", "TpDivisor", "gdp_conv1d_sections", "gdp_in_proj_sections", "inspect", "load",
+           "load_into", "load_state_dict", "mamba_conv1d_sections", "mamba_in_proj_sections", "plain_sections", "read",
+           "save", "save_state_dict", "ssm_divisors", "verify"]
+
+
+def __getattr__(name):
+    """shardckpt.dcp (torch.distributed.checkpoint's storage) is imported when first named: it needs
+    torch 2.x, which the rest of the package does not."""
+    if name == "dcp":
+        import importlib
+        return importlib.import_module(".dcp", __name__)
+    raise AttributeError(f"module 'shardckpt' has no attribute {name!r}")
 
 
 def _group(group):

@@ -1,0 +1,250 @@
+"""shardckpt as the storage of torch.distributed.checkpoint (DCP, torch 2.x).
+
+    import torch.distributed.checkpoint as dcp
+    from shardckpt.dcp import Writer, Reader
+    dcp.save(state_dict, storage_writer=Writer("step100.h5"))
+    dcp.load(state_dict, storage_reader=Reader("step100.h5"))
+
+`path` is one HDF5 checkpoint of shardckpt's format (checksummed rows, sealed metadata, atomic
+commit): each tensor of DCP's flattened state dict is a dataset at its global shape named by DCP's
+key, each rank writing its own chunks at their offsets in its own dtype (bf16 included); DCP's bytes
+items (the values DCP pickles with torch.save: an optimizer's param_groups, say) are 1-D uint8
+datasets, listed in the common value BYTES_KEY. DCP's planner data (how its flat keys map back to the
+nested state dict) is the common value PLANNER_DATA_KEY. The Reader reads such a checkpoint, a
+native one (any dataset by its name: a fused parameter's blocks are datasets "<key>.<block>") and an
+adopted safetensors one.
+
+The Writer saves in write_data, where every rank of DCP's group calls it: one collective save of the
+library over `group` (None: torch.distributed's default group when initialized), which should be the
+group given to dcp.save / dcp.async_save. The Reader reads each rank's own requests, alone.
+"""
+import io
+import json
+import os
+
+import torch
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from . import _core
+from .state_dict import agree, default_group
+
+__all__ = ["BYTES_KEY", "PLANNER_DATA_KEY", "Reader", "Writer"]
+
+BYTES_KEY = "dcp.bytes"
+PLANNER_DATA_KEY = "dcp.planner_data"
+
+_TORCH_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32, "f64": torch.float64,
+                 "i8": torch.int8, "i16": torch.int16, "i32": torch.int32, "i64": torch.int64, "u8": torch.uint8,
+                 "u16": torch.uint16, "u32": torch.uint32, "u64": torch.uint64}
+
+
+def _done(value):
+    future = Future()
+    future.set_result(value)
+    return future
+
+
+def _stored(tensor):
+    t = tensor.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.dtype == torch.bool:
+        t = t.view(torch.uint8)
+    return t
+
+
+def _plain_path(path):
+    if path is None:
+        raise ValueError("shardckpt.dcp: no checkpoint path (give Writer(path) / Reader(path), or checkpoint_id=)")
+    return os.fspath(path)
+
+
+class Writer(StorageWriter):
+    """A DCP StorageWriter that writes one shardckpt checkpoint at `path` (a file; it must not be a
+    directory). `group`: the process group of the save (None: the default group when initialized).
+    `options`: shardckpt.save's (method="raw"|"hyperslab", checksums=True)."""
+
+    def __init__(self, path=None, group=None, **options):
+        super().__init__()
+        self.path = None if path is None else os.fspath(path)
+        self._group = group
+        self._options = options
+
+    def reset(self, checkpoint_id=None):
+        if checkpoint_id is not None:
+            self.path = os.fspath(checkpoint_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id):
+        try:
+            return not os.path.isdir(os.fspath(checkpoint_id))
+        except TypeError:
+            return False
+
+    def storage_meta(self):
+        return None
+
+    def set_up_storage_writer(self, is_coordinator, *args, **kwargs):
+        self.is_coordinator = is_coordinator
+        path = _plain_path(self.path)
+        if os.path.isdir(path):  # DCP's own writers take a directory: say so before anything is planned
+            raise IsADirectoryError(f"shardckpt.dcp.Writer: {path} is a directory; shardckpt writes one checkpoint "
+                                    "file (give a file name, e.g. step100.h5)")
+
+    def prepare_local_plan(self, plan):
+        return plan
+
+    def prepare_global_plan(self, plans):
+        # The coordinator sees every rank's plan: which items are bytes, and DCP's key mapping, for
+        # the common values rank 0 writes.
+        byte_keys = sorted({item.index.fqn for p in plans for item in p.items if item.type == WriteItemType.BYTE_IO})
+        mapping = {}
+        for p in plans:
+            if isinstance(p.planner_data, dict):
+                mapping.update({k: list(v) for k, v in p.planner_data.items()})
+        shared = {"bytes": byte_keys, "planner_data": mapping}
+        from dataclasses import replace
+        return [replace(p, storage_data=shared) for p in plans]
+
+    def write_data(self, plan, planner):
+        from . import save
+        group = default_group(self._group)
+        state, results, failure = _core.StateDict(), [], None
+        try:
+            for item in plan.items:
+                data = planner.resolve_data(item)
+                key = item.index.fqn
+                if item.type == WriteItemType.BYTE_IO:
+                    raw = data.getvalue()
+                    t = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
+                    state.add(_core.ShardedTensor(key, t, [len(raw)], [0]))
+                    size = len(raw)
+                else:
+                    t = _stored(data)
+                    chunk = item.tensor_data.chunk
+                    state.add(_core.ShardedTensor(key, t, list(item.tensor_data.size), list(chunk.offsets)))
+                    size = t.numel() * t.element_size()
+                results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=None))
+            shared = plan.storage_data if isinstance(plan.storage_data, dict) else {"bytes": [], "planner_data": {}}
+            state.add_common(BYTES_KEY, json.dumps(shared["bytes"], separators=(",", ":")))
+            state.add_common(PLANNER_DATA_KEY, json.dumps(shared["planner_data"], separators=(",", ":")))
+        except (TypeError, ValueError, _core.Error) as e:
+            failure = e
+        agree(group, failure)
+        save(state, _plain_path(self.path), group, **self._options)
+        return _done(results)
+
+    def finish(self, metadata, results):
+        pass  # the library's save committed the checkpoint, sealed, in write_data
+
+
+class Reader(StorageReader):
+    """A DCP StorageReader of the shardckpt checkpoint at `path`: one written by Writer, a native
+    shardckpt checkpoint or an adopted safetensors one. `options`: shardckpt.load_into's (method,
+    verify_checksums=True, bypass_page_cache=False)."""
+
+    def __init__(self, path=None, **options):
+        super().__init__()
+        self.path = None if path is None else os.fspath(path)
+        self._options = options
+        self._datasets = {}
+
+    def reset(self, checkpoint_id=None):
+        if checkpoint_id is not None:
+            self.path = os.fspath(checkpoint_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id):
+        try:
+            with open(os.fspath(checkpoint_id), "rb") as f:
+                return f.read(8) == b"\x89HDF\r\n\x1a\n"
+        except (OSError, TypeError):
+            return False
+
+    def read_metadata(self, *args, **kwargs):
+        from . import inspect
+        path = _plain_path(self.path)
+        if os.path.isdir(path):
+            raise IsADirectoryError(f"shardckpt.dcp.Reader: {path} is a directory, not a shardckpt checkpoint (a "
+                                    "directory of .distcp files is read by DCP's FileSystemReader)")
+        info = inspect(path)
+        try:
+            byte_keys = set(json.loads(info["common"].get(BYTES_KEY, "[]")))
+            planner_data = {k: tuple(v) for k, v in json.loads(info["common"].get(PLANNER_DATA_KEY, "{}")).items()}
+        except (ValueError, AttributeError, TypeError) as e:
+            raise _core.Error(f"{path}: the common value {BYTES_KEY!r} or {PLANNER_DATA_KEY!r} is not what "
+                              f"shardckpt.dcp.Writer writes ({e})") from None
+        entries = {}
+        self._datasets = {}
+        for t in info["tensors"]:
+            key, shape = t["key"], tuple(t["global_shape"])
+            self._datasets[key] = t
+            if key in byte_keys:
+                entries[key] = BytesStorageMetadata()
+            else:
+                size = torch.Size(shape)
+                entries[key] = TensorStorageMetadata(
+                    properties=TensorProperties(dtype=_TORCH_DTYPES[t["dtype"]]), size=size,
+                    chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=size)])
+        for k in list(planner_data):
+            if k not in entries:
+                del planner_data[k]
+        return Metadata(state_dict_metadata=entries, planner_data=planner_data or None)
+
+    def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs):
+        self.is_coordinator = is_coordinator
+        if not self._datasets:  # metadata read by another Reader object
+            self.read_metadata()
+
+    def prepare_local_plan(self, plan):
+        return plan
+
+    def prepare_global_plan(self, plans):
+        return plans
+
+    def read_data(self, plan, planner):
+        from . import load_into
+        path = _plain_path(self.path)
+        # One load of the library per round, each key at most once in a round (a state dict of the
+        # library holds a key once).
+        rounds = []
+        for req in plan.items:
+            for r in rounds:
+                if req.storage_index.fqn not in r:
+                    r[req.storage_index.fqn] = req
+                    break
+            else:
+                rounds.append({req.storage_index.fqn: req})
+        for r in rounds:
+            state, after = _core.StateDict(), []
+            for key, req in r.items():
+                info = self._datasets.get(key)
+                if info is None:
+                    raise KeyError(f"{path}: no dataset {key!r}")
+                shape = list(info["global_shape"])
+                if req.type == LoadItemType.BYTE_IO:
+                    into = torch.empty(shape, dtype=torch.uint8)
+                    state.add(_core.ShardedTensor(key, into, shape, [0] * len(shape)))
+                    after.append((req, None, into))
+                    continue
+                target = planner.resolve_tensor(req).detach()
+                stored = _TORCH_DTYPES[info["dtype"]]
+                if target.device.type == "cpu" and target.dtype == stored and target.is_contiguous():
+                    into = target
+                else:
+                    into = torch.empty(tuple(req.lengths), dtype=stored)
+                state.add(_core.ShardedTensor(key, into, shape, list(req.storage_offsets)))
+                after.append((req, target, into))
+            load_into(path, state, None, **self._options)
+            for req, target, into in after:
+                if target is None:
+                    planner.load_bytes(req, io.BytesIO(into.numpy().tobytes()))
+                    continue
+                if into is not target:
+                    target.copy_(into)
+                planner.commit_tensor(req, target)
+        return _done(None)

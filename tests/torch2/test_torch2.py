@@ -1,0 +1,102 @@
+"""torch 2.x (PyPI) on CPU under gloo: shardckpt.save_state_dict / load_state_dict and shardckpt.dcp's
+Writer and Reader under torch.distributed.checkpoint, on 4 processes (tests/torch2/worker.py runs
+every case in one job; each test here checks its case on every rank)."""
+import json
+import os
+import sys
+import tempfile
+import unittest
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
+from support import run_ranks  # noqa: E402
+
+import shardckpt as sc  # noqa: E402
+
+WORLD = 4
+WORKER = os.path.join(os.path.dirname(__file__), "worker.py")
+CASES = ["dtensor_save_state_dict", "dtensor_dcp", "dcp_async", "adam_plain", "adam_dtensor",
+         "native_through_reader", "bad_input"]
+
+
+class Torch2Job(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory()
+        cls.results = run_ranks(WORLD, WORKER, cls.tmp.name, *CASES, timeout=600)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+
+    def check(self, case):
+        for rank, (code, out) in enumerate(self.results):
+            path = os.path.join(self.tmp.name, f"{case}.{rank}.json")
+            if not os.path.exists(path):
+                self.fail(f"rank {rank} never finished case {case} (exit {code}):\n{out[-4000:]}")
+            with open(path) as f:
+                result = json.load(f)
+            self.assertEqual(result, "ok", f"rank {rank}, case {case}:\n{result}")
+        for rank, (code, out) in enumerate(self.results):
+            self.assertEqual(code, 0, f"rank {rank} exited {code}:\n{out[-4000:]}")
+
+    def test_dtensors_save_state_dict_load_at_other_meshes_and_placements(self):
+        self.check("dtensor_save_state_dict")
+
+    def test_dtensors_dcp_save_and_load_with_writer_and_reader(self):
+        self.check("dtensor_dcp")
+
+    def test_dcp_async_save(self):
+        self.check("dcp_async")
+
+    def test_module_and_adam_resume_from_state_dict_and_dcp(self):
+        self.check("adam_plain")
+
+    def test_tensor_parallel_module_and_adam_through_get_and_set_state_dict(self):
+        self.check("adam_dtensor")
+
+    def test_native_gtp_checkpoint_through_the_reader(self):
+        self.check("native_through_reader")
+
+    def test_bad_input_raises_on_every_rank(self):
+        self.check("bad_input")
+
+
+class OneProcess(unittest.TestCase):
+    """Without torch.distributed: one process, no group."""
+
+    def test_state_dict_two_lines(self):
+        model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.BatchNorm1d(5))
+        model(torch.randn(4, 3))
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "m.h5")
+            sc.save_state_dict(model.state_dict(), path)
+            other = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.BatchNorm1d(5))
+            sc.load_state_dict(other.state_dict(), path)
+            for (k, a), b in zip(model.state_dict().items(), other.state_dict().values()):
+                self.assertTrue(torch.equal(a, b), k)
+            info = sc.inspect(path)
+            shapes = {t["key"]: tuple(t["global_shape"]) for t in info["tensors"]}
+            self.assertEqual(shapes["1.num_batches_tracked"], ())
+            self.assertEqual(shapes["0.weight"], (5, 3))
+
+    def test_dcp_without_a_process_group(self):
+        import torch.distributed.checkpoint as dcp
+        from shardckpt.dcp import Reader, Writer
+        state = {"a": torch.arange(12.0).reshape(3, 4), "b": {"c": torch.ones(2, dtype=torch.bfloat16)}, "n": 5}
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "one.h5")
+            dcp.save(state, storage_writer=Writer(path))
+            target = {"a": torch.zeros(3, 4), "b": {"c": torch.zeros(2, dtype=torch.bfloat16)}, "n": 0}
+            dcp.load(target, storage_reader=Reader(path))
+            self.assertTrue(torch.equal(target["a"], state["a"]))
+            self.assertTrue(torch.equal(target["b"]["c"], state["b"]["c"]))
+            self.assertEqual(target["n"], 5)
+            info = sc.inspect(path)
+            self.assertEqual({t["key"]: t["dtype"] for t in info["tensors"]}["b.c"], "bf16")
+            self.assertIn("n", json.loads(info["common"][sc.dcp.BYTES_KEY]))
+
+
+if __name__ == "__main__":
+    unittest.main()
