@@ -35,20 +35,11 @@ def _torch():
     return torch
 
 
-def _dtensor_type():
-    try:
-        from torch.distributed.tensor import DTensor
-        return DTensor
-    except ImportError:  # torch before 2.4 (Debian's 1.13) has no public DTensor
-        return None
-
-
-def _torch_sharded_tensor_type():
-    try:
-        from torch.distributed._shard.sharded_tensor import ShardedTensor
-        return ShardedTensor
-    except ImportError:
-        return None
+def _loaded_type(module, name):
+    """Class `name` of torch module `module` when that module is loaded, else None: whoever holds a
+    DTensor or a torch ShardedTensor has loaded its module, and importing it here could fail (torch
+    1.13's sharded_tensor does not import on Python 3.11) or cost seconds for nothing."""
+    return getattr(sys.modules.get(module), name, None)
 
 
 def _dtype_name(dtype):
@@ -105,8 +96,8 @@ class _Tensors:
     def __init__(self, group):
         self.rank = 0 if group is None else group.rank()
         self.size = 1 if group is None else group.size()
-        self.dtensor = _dtensor_type()
-        self.sharded = _torch_sharded_tensor_type()
+        self.dtensor = _loaded_type("torch.distributed.tensor", "DTensor")
+        self.sharded = _loaded_type("torch.distributed._shard.sharded_tensor", "ShardedTensor")
 
     def kind(self, value):
         torch = _torch()
@@ -134,7 +125,11 @@ class _Tensors:
         if kind == "tensor":
             return [(value, [0] * value.dim(), self.rank, self.size)]
         if kind == "sharded":
-            return [(s.tensor, list(s.metadata.shard_offsets), 0, 1) for s in value.local_shards()]
+            shards = value.local_shards()
+            if len(shards) > 1:
+                raise ValueError(f"{key}: a torch ShardedTensor with {len(shards)} local shards on rank {self.rank}: "
+                                 "shardckpt saves one part of a tensor per rank")
+            return [(s.tensor, list(s.metadata.shard_offsets), 0, 1) for s in shards]
         # A DTensor: its one local part at its global offset; the mesh dimensions it is replicated
         # over hold copies of it, written once between them.
         from torch.distributed.tensor import Replicate, Shard

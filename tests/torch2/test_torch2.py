@@ -17,7 +17,7 @@ import shardckpt as sc  # noqa: E402
 WORLD = 4
 WORKER = os.path.join(os.path.dirname(__file__), "worker.py")
 CASES = ["dtensor_save_state_dict", "dtensor_dcp", "dcp_async", "adam_plain", "adam_dtensor",
-         "native_through_reader", "bad_input"]
+         "native_through_reader", "torch_sharded_tensor", "bad_input"]
 
 
 class Torch2Job(unittest.TestCase):
@@ -59,6 +59,9 @@ class Torch2Job(unittest.TestCase):
     def test_native_gtp_checkpoint_through_the_reader(self):
         self.check("native_through_reader")
 
+    def test_torch_sharded_tensor(self):
+        self.check("torch_sharded_tensor")
+
     def test_bad_input_raises_on_every_rank(self):
         self.check("bad_input")
 
@@ -96,6 +99,27 @@ class OneProcess(unittest.TestCase):
             info = sc.inspect(path)
             self.assertEqual({t["key"]: t["dtype"] for t in info["tensors"]}["b.c"], "bf16")
             self.assertIn("n", json.loads(info["common"][sc.dcp.BYTES_KEY]))
+
+    def test_reader_reads_an_adopted_safetensors_file(self):
+        import subprocess
+        import torch.distributed.checkpoint as dcp
+        from safetensors.torch import save_file
+        from shardckpt.dcp import Reader
+        tool = os.path.join(os.path.dirname(__file__), "..", "..", "build", "shardckpt")
+        weights = {"embed.weight": torch.arange(24, dtype=torch.float32).reshape(6, 4),
+                   "norm.weight": torch.ones(4, dtype=torch.bfloat16) * 3}
+        with tempfile.TemporaryDirectory() as d:
+            source, records = os.path.join(d, "m.safetensors"), os.path.join(d, "records.json")
+            save_file(weights, source)
+            with open(records, "w") as f:
+                f.write("[]")
+            out = os.path.join(d, "m.h5")
+            subprocess.run([tool, "adopt", source, "--model-config", records, "--out", out], check=True,
+                           capture_output=True)
+            target = {k: torch.zeros_like(v) for k, v in weights.items()}
+            dcp.load(target, storage_reader=Reader(out))
+            for k, v in weights.items():
+                self.assertTrue(torch.equal(target[k], v), k)
 
 
 if __name__ == "__main__":

@@ -272,6 +272,29 @@ def case_native_through_reader(d, mesh1, mesh2):
         expect_equal(full(target[name]), block, f"native {name}")
 
 
+def case_torch_sharded_tensor(d, mesh1, mesh2):
+    """torch's own ShardedTensor (ChunkShardingSpec over dim 0) saved at its global shape, loaded
+    into a DTensor."""
+    import warnings
+    warnings.filterwarnings("ignore")
+    from torch.distributed._shard import sharded_tensor
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+    spec = ChunkShardingSpec(dim=0, placements=[f"rank:{r}/cpu" for r in range(WORLD)])
+    st = sharded_tensor.empty(spec, 10, 3)
+    want = ref((10, 3), base=7)
+    for shard in st.local_shards():
+        o, n = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+        shard.tensor.copy_(want[o[0]:o[0] + n[0]])
+    path = os.path.join(d, "sharded_tensor.h5")
+    sc.save_state_dict({"st": st}, path)
+    if RANK == 0:
+        with h5().File(path, "r") as f:
+            expect_equal(torch.from_numpy(f["st"][()]), want, "h5py st")
+    target = {"st": distribute_tensor(torch.zeros(10, 3), mesh1, [Shard(1)])}
+    sc.load_state_dict(target, path)
+    expect_equal(target["st"].full_tensor(), want, "st as a DTensor")
+
+
 def expect_failure(what, call, *needles, kinds=(Exception,)):
     try:
         call()

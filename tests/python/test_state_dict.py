@@ -1,0 +1,135 @@
+"""shardckpt.save_state_dict / load_state_dict on one process with Debian's torch 1.13: every kind
+of leaf comes back with its type, tensors are filled in place, what cannot be saved is refused
+before anything is written (the multi-process, DTensor and DCP cases run under torch 2.x:
+tests/torch2)."""
+import os
+import tempfile
+import unittest
+
+import h5py
+import torch
+
+import shardckpt as sc
+
+
+class StateDictOneProcess(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.path = os.path.join(self.tmp.name, "sd.h5")
+
+    def tearDown(self):
+        self.tmp.cleanup()
+
+    def test_every_leaf_comes_back_with_its_type(self):
+        w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+        state = {"model": {"layer.weight": w, "steps": torch.tensor(7), "scale": torch.tensor(0.25, dtype=torch.bfloat16),
+                           "mask": torch.tensor([True, False, True])},
+                 "optim": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": w * 2}},
+                           "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0], "nesterov": False,
+                                             "foreach": None, "name": "all"}]},
+                 "epoch": 2, "items": [torch.ones(2), 5]}
+        sc.save_state_dict(state, self.path)
+        with h5py.File(self.path, "r") as f:
+            self.assertEqual(f["model.layer.weight"].shape, (3, 4))
+            self.assertEqual(f["model.steps"].shape, ())
+            self.assertEqual(int(f["model.steps"][()]), 7)
+            self.assertEqual(float(f["model.scale"][()]), 0.25)
+            self.assertEqual(f["optim.state.0.step"].shape, ())
+            self.assertEqual(f["items.0"].shape, (2,))
+        target = {"model": {"layer.weight": torch.zeros(3, 4), "steps": torch.tensor(0), "mask": torch.zeros(3, dtype=torch.bool),
+                            "scale": torch.tensor(0.0, dtype=torch.bfloat16)},
+                  "optim": {"state": {}, "param_groups": [{}]}}
+        kept = target["model"]["layer.weight"]
+        loaded = sc.load_state_dict(target, self.path)
+        self.assertIs(loaded["model"]["layer.weight"], kept)  # filled in place
+        self.assertTrue(torch.equal(kept, w))
+        self.assertEqual(int(target["model"]["steps"]), 7)
+        self.assertTrue(torch.equal(target["model"]["mask"], torch.tensor([True, False, True])))
+        self.assertEqual(float(target["model"]["scale"]), 0.25)
+        # What the target lacks comes back new, at its saved dtype and shape.
+        step = loaded["optim"]["state"][0]["step"]
+        self.assertEqual((step.dtype, step.shape, float(step)), (torch.float32, torch.Size([]), 3.0))
+        self.assertTrue(torch.equal(loaded["optim"]["state"][0]["exp_avg"], w * 2))
+        group = loaded["optim"]["param_groups"][0]
+        self.assertEqual(group, {"lr": 0.1, "betas": (0.9, 0.99), "params": [0], "nesterov": False, "foreach": None,
+                                 "name": "all"})
+        self.assertIsInstance(group["betas"], tuple)
+        self.assertIs(group["nesterov"], False)
+        self.assertIsInstance(loaded["epoch"], int)
+        self.assertEqual(loaded["items"][1], 5)
+        self.assertIn(0, loaded["optim"]["state"])  # an int key stays an int
+
+    def test_non_contiguous_tensors_save_and_fill(self):
+        w = torch.arange(12.0).reshape(3, 4)
+        sc.save_state_dict({"t": w.t()}, self.path)
+        with h5py.File(self.path, "r") as f:
+            self.assertEqual(f["t"].shape, (4, 3))
+            self.assertTrue((torch.from_numpy(f["t"][()]) == w.t()).all())
+        base = torch.zeros(3, 4)
+        sc.load_state_dict({"t": base.t()}, self.path)
+        self.assertTrue(torch.equal(base, w))
+
+    def test_a_module_and_its_optimizer_resume(self):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(5, 3)).sum().backward()
+            opt.step()
+        sc.save_state_dict({"model": model.state_dict(), "optim": opt.state_dict()}, self.path)
+        model2 = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+        opt2 = torch.optim.Adam(model2.parameters(), lr=0.5)
+        loaded = sc.load_state_dict({"model": model2.state_dict(), "optim": opt2.state_dict()}, self.path)
+        opt2.load_state_dict(loaded["optim"])
+        for (k, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
+            self.assertTrue(torch.equal(a, b), k)
+        self.assertEqual(opt2.state_dict()["param_groups"][0]["lr"], 0.01)
+        for pid, s in opt.state_dict()["state"].items():
+            for name, v in s.items():
+                self.assertTrue(torch.equal(torch.as_tensor(v), torch.as_tensor(opt2.state_dict()["state"][pid][name])),
+                                f"{pid}.{name}")
+
+    def assert_refused(self, state, kind, *needles):
+        with self.assertRaises(kind) as c:
+            sc.save_state_dict(state, self.path)
+        for n in needles:
+            self.assertIn(n, str(c.exception))
+        self.assertFalse(os.path.exists(self.path), "a refused state dict left a file")
+
+    def test_what_cannot_be_saved_is_refused_before_anything_is_written(self):
+        class Opaque:
+            pass
+        self.assert_refused({"a": {"b": [torch.ones(1), Opaque()]}}, TypeError, "a.b.1", "Opaque")
+        self.assert_refused({"z": torch.zeros(2, dtype=torch.complex64)}, TypeError, "z", "complex64")
+        self.assert_refused({"a.b": torch.ones(1), "a": {"b": torch.ones(1)}}, ValueError, "'a.b'")
+        self.assert_refused({"a": {(1, 2): torch.ones(1)}}, TypeError, "tuple")
+        self.assert_refused({"n": 2**70}, ValueError, "n", "int64")
+        self.assert_refused([torch.ones(1)], TypeError, "list")
+
+    def test_a_load_checks_keys_and_shapes(self):
+        sc.save_state_dict({"w": torch.ones(4, 2)}, self.path)
+        with self.assertRaises(KeyError) as c:
+            sc.load_state_dict({"w": torch.ones(4, 2), "v": torch.ones(1)}, self.path)
+        self.assertIn("v", str(c.exception))
+        self.assertIn(self.path, str(c.exception))
+        with self.assertRaises(ValueError) as c:
+            sc.load_state_dict({"w": torch.ones(4, 3)}, self.path)
+        self.assertIn("(4, 3)", str(c.exception))
+        self.assertIn("(4, 2)", str(c.exception))
+
+    def test_a_checkpoint_without_a_structure_loads_by_keys(self):
+        # A native checkpoint (shardckpt.save of ShardedTensors and common values): tensors by key.
+        state = sc.StateDict()
+        w = torch.arange(6.0).reshape(2, 3)
+        state.add(sc.ShardedTensor("layer.weight", w, [2, 3], [0, 0]))
+        state.add_common("step", 11)
+        sc.save(state, self.path)
+        target = {"layer": {"weight": torch.zeros(2, 3)}, "step": 0}
+        loaded = sc.load_state_dict(target, self.path)
+        self.assertTrue(torch.equal(target["layer"]["weight"], w))
+        self.assertEqual(loaded["step"], 11)
+
+
+if __name__ == "__main__":
+    unittest.main()
