@@ -66,6 +66,16 @@ class Torch2Job(unittest.TestCase):
         self.check("bad_input")
 
 
+class Examples(unittest.TestCase):
+    def test_dcp_storage_example_on_four_processes(self):
+        script = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "python", "dcp_storage.py")
+        with tempfile.TemporaryDirectory() as d:
+            results = run_ranks(WORLD, script, d, timeout=300)
+            for rank, (rc, text) in enumerate(results):
+                self.assertEqual(rc, 0, f"rank {rank}:\n{text}")
+            self.assertIn("0.weight (16, 8) in h5py, resumed", results[0][1])
+
+
 class OneProcess(unittest.TestCase):
     """Without torch.distributed: one process, no group."""
 
