@@ -27,7 +27,7 @@ packages=(meson ninja-build clang-19 lld-19 clang-tools-19 libclang-rt-19-dev
           libhdf5-dev hdf5-tools librange-v3-dev libgtest-dev pkg-config
           nlohmann-json3-dev libcli11-dev openmpi-bin libopenmpi-dev
           python3-h5py python3-numpy python3-xxhash libxxhash-dev python3-venv libtorch-dev
-          python3-dev pybind11-dev libdlpack-dev python3-torch python3-matplotlib)
+          python3-dev pybind11-dev libdlpack-dev python3-torch python3-matplotlib patchelf)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
