@@ -105,7 +105,7 @@ void describe_model(const Run& run, Report& report) {
       ++pieces;
       written += static_cast<std::int64_t>(i.data.bytes());
       // Row-parallel weights (TP on dim 1) are stored chunked by TP band: one contiguous write each.
-      if (i.box.cols.size() < element_count(std::span(i.global_shape).subspan(1))) {
+      if (i.box.cols.size() < whole_box(i.global_shape).cols.size()) {
         ++row_parallel_pieces;
         row_parallel_bytes += static_cast<std::int64_t>(i.data.bytes());
       }

@@ -204,10 +204,12 @@ struct Box {
 
 // The box of the slab at `offset` with extent `count` of a dataset of `global_shape`; throws
 // Errc::invalid_argument naming `key` when it leaves the dataset or splits a dim past dim 1 (only
-// dims 0 and 1 are ever split by TP and GTP).
+// dims 0 and 1 are ever split by TP and GTP). A scalar (rank 0: offset and count empty too) is its
+// whole box, one row of one element.
 Box footprint(std::string_view key, std::span<const std::int64_t> global_shape, std::span<const std::int64_t> offset,
               std::span<const std::int64_t> count);
-// The box of a whole dataset of `shape`: its rows by its flattened trailing elements.
+// The box of a whole dataset of `shape`: its rows by its flattened trailing elements; for a scalar
+// (an empty shape) one row of one element. The one place that says how many rows a global shape has.
 Box whole_box(std::span<const std::int64_t> shape);
 
 // One rank's claim on part of a dataset, as exchanged before a save: enough to check that all

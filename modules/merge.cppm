@@ -98,7 +98,7 @@ Values load_into(const std::filesystem::path& path, StateDict& state, LoadOption
 // Loads this rank's part of a global checkpoint at the request's layout (any TP, GTP, alignment)
 // into host memory it allocates (what load_into then fills). A tensor asked for whole (a
 // ShardedTensor at its global shape, a parameter at GTP 1 that TP does not split) is counted as a
-// materialization.
+// materialization; a scalar, one element, is not.
 LoadedState load(const std::filesystem::path& path, const StateDict& request, LoadOptions options = {});
 LoadedState load(const CheckpointReader& reader, const StateDict& request, LoadOptions options = {});
 // Tells LoadOptions::notice (or standard error) that the checkpoint's bytes or metadata are read
@@ -147,7 +147,8 @@ struct LoadLayout {
 };
 // The load request of one rank for every tensor of a global checkpoint, from the checkpoint's own
 // records: each parameter record planned at the layout's TP, GTP and alignment; every dataset no
-// record names as one plain parameter replicated on every TP rank. What a tool that knows no model
+// record names as one plain parameter replicated on every TP rank, and every scalar dataset as a
+// scalar ShardedTensor (the layout's DP replica of it). What a tool that knows no model
 // (shardckpt load, reshard) asks for.
 StateDict request_all(const CheckpointReader& reader, const LoadLayout& layout);
 

@@ -21,7 +21,9 @@ import shardckpt.views;
 export namespace shardckpt {
 
 // A shard of a tensor under its global key. On save `data` holds the shard; in a load request it
-// is the destination that load_into fills, or empty for load() to allocate.
+// is the destination that load_into fills, or empty for load() to allocate. A scalar (a 0-d tensor:
+// `global_shape` and `global_offset` empty) is one element, which views hold as `shape` {1} (every
+// view has at least one dim); it is saved as a dataset of scalar dataspace.
 struct ShardedTensor {
   std::string key;
   DType dtype = DType::f32;
@@ -32,8 +34,15 @@ struct ShardedTensor {
   int replicas = 1;    // each copy writes a balanced share of its rows (and reads one, see LoadOptions)
   TensorRef data;
 
+  bool scalar() const noexcept { return global_shape.empty(); }
+  // Where the shard lies in its dataset: `global_offset`, and `shape`'s dims (none for a scalar).
+  std::span<const std::int64_t> count() const noexcept [[clang::lifetimebound]] {
+    return scalar() ? std::span<const std::int64_t>() : shape.dims();
+  }
+
   static ShardedTensor of(std::string key, TensorRef data, std::vector<std::int64_t> global_shape,
                           std::vector<std::int64_t> global_offset, int replica_id = 0, int replicas = 1);
+  // For a scalar, `shape` may be given as Extents{} (rank 0) or {1}: it becomes {1}.
   static ShardedTensor expect(std::string key, DType dtype, Extents shape, std::vector<std::int64_t> global_shape,
                               std::vector<std::int64_t> global_offset, int replica_id = 0, int replicas = 1);
 };

@@ -267,9 +267,10 @@ RankPlan plan_rank(const ParamSpec& spec, std::int64_t gtp, std::int64_t align, 
 Box footprint(std::string_view key, std::span<const std::int64_t> shape, std::span<const std::int64_t> offset,
               std::span<const std::int64_t> count) {
   const std::size_t rank = shape.size();
-  require(rank >= 1 && offset.size() == rank && count.size() == rank, Errc::invalid_argument, key,
+  require(offset.size() == rank && count.size() == rank, Errc::invalid_argument, key,
           ": a slab whose offset/count do not match the dataset's rank ", rank);
   (void)element_count(shape, cat(key, ": elements of the global shape"));
+  if (rank == 0) return whole_box(shape);  // a scalar: its one element, one row of one
   for (std::size_t d = 0; d < rank; ++d) {
     require(offset[d] >= 0 && count[d] >= 0 && offset[d] <= shape[d] && count[d] <= shape[d] - offset[d],
             Errc::invalid_argument, key, ": [", offset[d], ", ", offset[d] + count[d], ") of dim ", d,

@@ -32,6 +32,7 @@ ShardedTensor ShardedTensor::of(std::string key, TensorRef data, std::vector<std
 
 ShardedTensor ShardedTensor::expect(std::string key, DType dtype, Extents shape, std::vector<std::int64_t> global_shape,
                                     std::vector<std::int64_t> global_offset, int replica_id, int replicas) {
+  if (global_shape.empty() && shape.rank() == 0) shape = Extents{1};
   return {std::move(key), dtype, shape, std::move(global_shape), std::move(global_offset), replica_id, replicas, {}};
 }
 
@@ -66,8 +67,14 @@ void StateDict::claim_key(const std::string& key) {
 }
 
 void StateDict::add(ShardedTensor tensor) {
-  require(static_cast<std::size_t>(tensor.shape.rank()) == tensor.global_shape.size() &&
-              tensor.global_offset.size() == tensor.global_shape.size(),
+  if (tensor.scalar()) {
+    if (tensor.shape.rank() == 0) tensor.shape = Extents{1};
+    require(tensor.shape == Extents{1} && tensor.global_offset.empty(), Errc::invalid_argument, "tensor ", tensor.key,
+            ": a scalar (global shape []) is one element: its shard has shape [1] (or []) and its global offset is "
+            "[], not ", dims_text(tensor.shape.dims()), " at ", dims_text(tensor.global_offset));
+  }
+  require(tensor.scalar() || (static_cast<std::size_t>(tensor.shape.rank()) == tensor.global_shape.size() &&
+                              tensor.global_offset.size() == tensor.global_shape.size()),
           Errc::invalid_argument, "tensor ", tensor.key, ": shard, global shape and offset must have the same rank");
   require(tensor.replicas >= 1 && tensor.replica_id >= 0 && tensor.replica_id < tensor.replicas, Errc::invalid_argument,
           "tensor ", tensor.key, ": replica ", tensor.replica_id, " of ", tensor.replicas);

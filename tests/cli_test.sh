@@ -210,12 +210,13 @@ check "load resharded" "$exe" load "$dir/re.h5" --tp 2 --gtp 4 --align 2 --verif
 expect_rc 1 "reshard a tampered file" "$exe" reshard "$dir/tampered.h5" "$dir/bad.h5"
 check "no output from a refused reshard" test ! -e "$dir/bad.h5" -a -z "$(temporary_files "$dir" bad.h5)"
 
-# Objects of other tools at the root (a scalar dataset, a group) are skipped by name, not fatal.
+# Objects of other tools at the root (a dataset without a value, a group) are skipped by name, not fatal.
 cp "$dir/demo.h5" "$dir/foreign.h5"
 $py -c "
-import h5py; f = h5py.File('$dir/foreign.h5', 'r+'); f['scalar'] = 3.0; f.create_group('extra')" || fail "add foreign objects"
-check "reshard skips a scalar dataset" "$exe" reshard "$dir/foreign.h5" "$dir/foreign-re.h5" --tp 1 --gtp 1 --align 0
-check "inspect names what it skips" bash -c "'$exe' inspect '$dir/foreign.h5' | grep -q 'scalar .*skipped: a scalar dataset'"
+import h5py; f = h5py.File('$dir/foreign.h5', 'r+'); f.create_dataset('empty', data=h5py.Empty('f'))
+f.create_group('extra')" || fail "add foreign objects"
+check "reshard skips a dataset without a value" "$exe" reshard "$dir/foreign.h5" "$dir/foreign-re.h5" --tp 1 --gtp 1 --align 0
+check "inspect names what it skips" bash -c "'$exe' inspect '$dir/foreign.h5' | grep -q 'empty .*skipped: a dataset without a value (a null dataspace)'"
 
 # ---- inspect ---------------------------------------------------------------------------------------------------
 check "inspect json" $py -c "
@@ -392,6 +393,34 @@ with h5py.File(d + '/outside.h5', 'w') as f:
 PY
 expect_rc 2 "a dataset in /etc/hostname" "$exe" load "$dir/adopt/outside.h5" --no-checksums
 check "names the external file" grep -q "keeps its bytes in '/etc/hostname', not a plain file beside the checkpoint" "$dir/err"
+
+# ---- adopt: scalar datasets (0-d tensors) are tensors of global shape [], inspected, loaded, resharded --------
+$py - "$dir/adopt" <<'PY' || fail "a plain file with scalars"
+import h5py, json, numpy as np, sys
+with h5py.File(sys.argv[1] + '/scalars.h5', 'w') as f:
+    f['step'] = np.float32(0.5)
+    f['bn.num_batches_tracked'] = np.int64(3)
+    f['w'] = np.arange(8, dtype=np.float32).reshape(4, 2)
+json.dump([], open(sys.argv[1] + '/none.json', 'w'))
+PY
+check "adopt scalars" "$exe" adopt "$dir/adopt/scalars.h5" --model-config "$dir/adopt/none.json" > /dev/null
+check "inspect: a scalar's global shape is []" bash -c "'$exe' inspect '$dir/adopt/scalars.shardckpt.h5' --json | $py -c \"
+import json, sys; d = {t['key']: t for t in json.load(sys.stdin)['tensors']}
+assert d['step']['global_shape'] == [] and d['step']['bytes'] == 4 and d['bn.num_batches_tracked']['dtype'] == 'i64', d
+assert d['w']['global_shape'] == [4, 2], d\""
+check "inspect table shows []" bash -c "'$exe' inspect '$dir/adopt/scalars.shardckpt.h5' | grep -q '^  step .* f32 *\[\] '"
+check "scalars verify" "$exe" verify "$dir/adopt/scalars.shardckpt.h5" > /dev/null
+check "scalars load at TP 2 x GTP 2 x DP 2" "$exe" load "$dir/adopt/scalars.shardckpt.h5" --tp 2 --gtp 2 --dp 2 > /dev/null
+for m in raw hyperslab; do
+  check "scalars load ($m)" "$exe" load "$dir/adopt/scalars.shardckpt.h5" --method $m > /dev/null
+done
+check "reshard scalars (one of the ranks writes each)" "$exe" reshard "$dir/adopt/scalars.shardckpt.h5" \
+  "$dir/adopt/scalars-re.h5" --tp 2 --gtp 2 --align 0
+check "h5py reads resharded scalars as shape ()" $py -c "
+import h5py; f = h5py.File('$dir/adopt/scalars-re.h5', 'r')
+assert f['step'].shape == () and f['step'][()] == 0.5 and f['bn.num_batches_tracked'][()] == 3, dict(f)
+assert f['w'].shape == (4, 2)"
+check "resharded scalars verify" "$exe" verify "$dir/adopt/scalars-re.h5" > /dev/null
 
 # ---- adopt: a fused tensor (the blocks' rows one after another, as at TP 1) becomes its blocks ---------------
 $py - "$dir/adopt" <<'PY' || fail "fused files for adopt"

@@ -80,6 +80,7 @@ torch_tensors = {
     "model.layers.0.mixer.out_proj.weight": torch.randn(COLS, 64).to(torch.bfloat16),  # row-parallel
     "model.embed.weight": torch.randn(64, COLS).to(torch.bfloat16),
     "model.norm.weight": torch.randn(COLS),  # f32, no record: a replicated plain weight
+    "optimizer.step": torch.tensor(0.5),  # a 0-d tensor (shape []): a scalar dataset
 }
 torch_records = [record("model.layers.0.mixer.in_proj.weight", GDP, [COLS]),
                  record("model.layers.0.mixer.out_proj.weight", [("", COLS)], [64], "cols"),
@@ -89,6 +90,7 @@ numpy_tensors = {
     "mamba.in_proj.weight": rng.standard_normal((sum(r for _, r in MAMBA), COLS)).astype(np.float32),
     "mamba.conv.weight": rng.standard_normal((40, 1, 4)).astype(np.float32),
     "counts": np.arange(-5, 7, dtype=np.int64),
+    "bn.num_batches_tracked": np.array(12, dtype=np.int64),  # shape []: a scalar dataset
 }
 numpy_records = [record("mamba.in_proj.weight", MAMBA, [COLS])]
 
@@ -203,9 +205,10 @@ def adopt_and_check(path, records, dtypes):
 
 adopt_and_check(torch_file, torch_records, {"model.layers.0.mixer.in_proj.weight": "bf16",
                                             "model.layers.0.mixer.out_proj.weight": "bf16",
-                                            "model.embed.weight": "bf16", "model.norm.weight": "f32"})
+                                            "model.embed.weight": "bf16", "model.norm.weight": "f32",
+                                            "optimizer.step": "f32"})
 adopt_and_check(numpy_file, numpy_records, {"mamba.in_proj.weight": "f32", "mamba.conv.weight": "f32",
-                                            "counts": "i64"})
+                                            "counts": "i64", "bn.num_batches_tracked": "i64"})
 
 # A changed byte of the .safetensors file is a checksum mismatch naming its block and row.
 tampered = os.path.join(work, "tampered")
@@ -264,7 +267,9 @@ cases = [
      f'the key "{EMB}" appears twice'),
     ("a tensor named like the library's metadata", edited(lambda h: h.update(_shardckpt=h.pop(EMB))),
      "must be non-empty, contain no '/' and not start with '_'"),
-    ("a scalar", edited(lambda h: h["model.norm.weight"].update(shape=[], data_offsets=[0, 4])), "has 0 dimensions"),
+    ("a scalar of more bytes than one element", edited(lambda h: h["optimizer.step"].update(data_offsets=[0, 8])),
+     "of shape [] and dtype F32 has 4 bytes"),
+    ("9 dimensions", edited(lambda h: h[EMB].update(shape=[1] * 8 + [64 * COLS])), "has 9 dimensions"),
     ("a file of 3 bytes", b"\x10\0\0", "neither an HDF5 file"),
 ]
 bad = os.path.join(hostile, "bad.safetensors")

@@ -79,8 +79,9 @@ class CheckpointReader {
   const std::vector<ParamRecord>& params() const;
   // Every tensor dataset, in key order. Headers are read on first use.
   const std::vector<Dataset>& datasets() const;
-  // Objects at the root that are not tensors (groups, scalar datasets, unsupported element types)
-  // with the reason they are skipped.
+  // Objects at the root that are not tensors (groups, datasets with a null dataspace or an
+  // unsupported element type) with the reason they are skipped. A scalar dataset is a tensor of
+  // global shape [].
   const std::vector<std::pair<std::string, std::string>>& skipped() const;
   // Throws Errc::missing_key, or Errc::not_a_checkpoint for a skipped object.
   const Dataset& dataset(std::string_view key) const;

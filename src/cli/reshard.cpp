@@ -51,6 +51,13 @@ Runner add_reshard(CLI::App& app, Global& global) {
           entry.shard = TensorRef::read_only(loaded.tensor(p.spec.key));
           state.add(std::move(entry));
         }
+        for (const ShardedTensor& t : request.tensors()) {  // scalars: every rank holds one, one writes it
+          ShardedTensor entry = t;
+          entry.data = TensorRef::read_only(loaded.tensor(t.key));
+          entry.replica_id = group.rank();
+          entry.replicas = group.size();
+          state.add(std::move(entry));
+        }
         for (const auto& [key, value] : loaded.values()) state.add_common(key, value);
         save(state, f->out, group, {.progress = saving.callback()});
       });

@@ -130,7 +130,7 @@ void load_tensors(Source& src, StateDict& state, const LoadOptions& options, Tre
   for (ShardedTensor& t : state.tensors()) {
     const std::string who = cat("tensor ", t.key);
     const MutTensorView dst = destination(t.data, t.dtype, t.shape, who);
-    const Box box = footprint(t.key, t.global_shape, t.global_offset, t.shape.dims());
+    const Box box = footprint(t.key, t.global_shape, t.global_offset, t.count());
     const Range mine = own_rows(t.shape.rows(), t.replica_id, t.replicas, options.read_own_share && !src.local());
     src.read(t.key, t.dtype, t.global_shape, {{box.rows.begin + mine.begin, box.rows.begin + mine.end}, box.cols},
              dst.slice_rows(mine.begin, mine.end), who);
@@ -314,6 +314,7 @@ Allocated allocate_destinations(const StateDict& request) {
   require_memory_for(request);
   Allocated out;
   for (ShardedTensor t : request.tensors()) {
+    // A scalar is whole too, but one element: not what the count is for (a gather of a tensor).
     if (t.shape.dims().size() == t.global_shape.size() &&
         std::equal(t.global_shape.begin(), t.global_shape.end(), t.shape.dims().begin()))
       count_materialization(cat("loading the whole tensor ", t.key),

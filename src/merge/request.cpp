@@ -42,9 +42,13 @@ StateDict request_all(const CheckpointReader& reader, const LoadLayout& layout) 
     for (const Section& b : r.blocks) covered.insert(block_key(r.key, b.name));
     add(r, reader.dataset(block_key(r.key, r.blocks.front().name)).dtype);
   }
-  for (const Dataset& d : reader.datasets())
-    if (!covered.contains(d.key) && d.shape[0] > 0)
+  for (const Dataset& d : reader.datasets()) {
+    if (covered.contains(d.key)) continue;
+    if (d.shape.empty())  // a scalar: one element, the same for every rank
+      out.add(ShardedTensor::expect(d.key, d.dtype, {1}, {}, {}, layout.replica_id, layout.replicas));
+    else if (d.shape[0] > 0)
       add({d.key, TpAxis::replicated, plain_sections(d.shape[0]), {d.shape.begin() + 1, d.shape.end()}, {}}, d.dtype);
+  }
   return out;
 }
 

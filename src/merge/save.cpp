@@ -31,7 +31,7 @@ void add_tensor_items(const ShardedTensor& t, bool share, SavePlan& out) {
   require(static_cast<bool>(t.data), Errc::invalid_argument, "tensor ", t.key, ": no data to save");
   require(t.data.dtype() == t.dtype && t.data.shape() == t.shape, Errc::shape_mismatch, "tensor ", t.key,
           ": the data does not match the declared dtype and shape");
-  const Box box = footprint(t.key, t.global_shape, t.global_offset, t.shape.dims());
+  const Box box = footprint(t.key, t.global_shape, t.global_offset, t.count());
   const Range mine = own_rows(t.shape.rows(), t.replica_id, t.replicas, share);
   out.items.push_back({t.key, t.dtype, t.global_shape,
                        Box{{box.rows.begin + mine.begin, box.rows.begin + mine.end}, box.cols}, true,

@@ -114,8 +114,8 @@ std::vector<SourceTensor> hdf5_tensors(io::File& f) {
     hdf5::Hid type = hdf5::owned(H5Dget_type(set.get()), H5Tclose, w, Errc::not_a_checkpoint);
     const std::optional<DType> dtype = hdf5::dtype_of(type.get());
     std::vector<std::int64_t> shape = hdf5::shape_of(set.get(), w, Errc::not_a_checkpoint);
-    if (!dtype || !hdf5::stored_exactly(type.get(), *dtype) || shape.empty())
-      cannot("is not a tensor of a type shardckpt stores as it is (a little-endian number, at least one dimension)");
+    if (!dtype || !hdf5::stored_exactly(type.get(), *dtype))
+      cannot("is not a tensor of a type shardckpt stores as it is (a little-endian number)");
     hdf5::Hid dcpl = hdf5::owned(H5Dget_create_plist(set.get()), H5Pclose, w, Errc::not_a_checkpoint);
     const haddr_t address = H5Dget_offset(set.get());
     H5Eclear2(H5E_DEFAULT);
@@ -195,10 +195,11 @@ std::vector<std::uint64_t> row_hashes(const io::File& f, const std::vector<Sourc
   std::vector<std::uint64_t> out;
   std::vector<std::byte> batch;
   for (const SourceTensor& d : sets) {
-    const std::int64_t row = element_count(std::span(d.shape).subspan(1)) * element_bytes(d.dtype);
+    const Box whole = whole_box(d.shape);  // a scalar: one row of one element
+    const std::int64_t row = whole.cols.size() * element_bytes(d.dtype);
     const std::int64_t step = batch_rows(row);
-    for (std::int64_t r0 = 0; r0 < d.shape[0]; r0 += step) {
-      const std::int64_t n = std::min(step, d.shape[0] - r0);
+    for (std::int64_t r0 = 0; r0 < whole.rows.end; r0 += step) {
+      const std::int64_t n = std::min(step, whole.rows.end - r0);
       batch.resize(static_cast<std::size_t>(n * row));
       f.pread_all(batch.data(), batch.size(), d.address + static_cast<std::uint64_t>(r0 * row));
       for (std::int64_t r = 0; r < n; ++r) out.push_back(row_hash(batch.data() + r * row, static_cast<std::size_t>(row)));

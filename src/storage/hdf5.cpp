@@ -260,7 +260,8 @@ void write_attr(hid_t obj, const char* name, const CommonValue& v, const Where& 
 void write_attr(hid_t obj, const char* name, std::span<const std::int64_t> values, std::size_t cols, const Where& w) {
   const std::vector<hsize_t> dims =
       cols == 0 ? std::vector<hsize_t>{values.size()} : std::vector<hsize_t>{values.size() / cols, cols};
-  write_raw_attr(obj, name, H5T_STD_I64LE, H5T_NATIVE_INT64, values.data(), dims, w);
+  const std::int64_t none = 0;  // H5Awrite refuses a null buffer, which an empty span (a scalar's shape) may hold
+  write_raw_attr(obj, name, H5T_STD_I64LE, H5T_NATIVE_INT64, values.empty() ? &none : values.data(), dims, w);
 }
 
 bool has_attr(hid_t obj, const char* name, const Where& w) {
@@ -334,8 +335,16 @@ void for_each_attr(hid_t obj, const Where& w, const std::function<void(const cha
 
 // ---- datasets ---------------------------------------------------------------------------------------
 
+bool null_dataspace(hid_t dataset, const Where& w, Errc refusal) {
+  Hid space = owned(H5Dget_space(dataset), H5Sclose, w, refusal);
+  return check(H5Sget_simple_extent_type(space.get()), w, refusal) == H5S_NULL;
+}
+
 std::vector<std::int64_t> shape_of(hid_t dataset, const Where& w, Errc refusal) {
   Hid space = owned(H5Dget_space(dataset), H5Sclose, w, refusal);
+  // A null dataspace has rank 0 too, but no element: not a scalar.
+  if (check(H5Sget_simple_extent_type(space.get()), w, refusal) == H5S_NULL)
+    throw Error(refusal, cat(w.file.string(), ": dataset ", w.key, " has no value (a null dataspace)"));
   const int rank = check(H5Sget_simple_extent_ndims(space.get()), w, refusal);
   if (rank > 32) throw Error(refusal, cat(w.file.string(), ": dataset ", w.key, " has rank ", rank));
   std::vector<hsize_t> dims(static_cast<std::size_t>(rank));
@@ -403,7 +412,9 @@ Selection select(hid_t dataset, DType dtype, std::span<const std::int64_t> shape
   Selection s{owned(H5Dget_space(dataset), H5Sclose, w), {}, type_of(dtype)};
   std::vector<std::pair<std::vector<hsize_t>, std::vector<hsize_t>>> blocks;
   std::vector<hsize_t> start{static_cast<hsize_t>(box.rows.begin)}, count{static_cast<hsize_t>(box.rows.size())};
-  if (shape.size() <= 1)
+  if (shape.empty())  // a scalar dataspace takes no hyperslab: its one element (the box is all of it)
+    check(H5Sselect_all(s.file_space.get()), w);
+  else if (shape.size() == 1)
     blocks.emplace_back(start, count);
   else
     flat_blocks(box.cols.begin, box.cols.end, shape.subspan(1), start, count, blocks);

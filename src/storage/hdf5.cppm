@@ -167,12 +167,16 @@ void for_each_attr(hid_t obj, const Where& w, const std::function<void(const cha
 
 // ---- datasets ---------------------------------------------------------------------------------------
 
-// A dataset's shape, checked: rank 0..32, every dim and the element count fit int64.
+// A dataset's shape, checked: rank 0..32 (0: a scalar, one element), every dim and the element count
+// fit int64; a null dataspace (no element at all) is `refusal`.
 std::vector<std::int64_t> shape_of(hid_t dataset, const Where& w, Errc refusal);
+// Whether a dataset has a null dataspace (h5py's Empty): no value, not even a scalar one.
+bool null_dataspace(hid_t dataset, const Where& w, Errc refusal);
 
 // Reads or writes the box `box` (rows x flattened trailing elements, any column range) of a dataset
-// of `shape`. Memory holds the box's rows `mem_row_elems` elements apart, each starting `mem_col`
-// elements in (packed: mem_row_elems = box width, mem_col = 0).
+// of `shape` (a scalar's box is its one element: the whole dataspace is selected). Memory holds the
+// box's rows `mem_row_elems` elements apart, each starting `mem_col` elements in (packed:
+// mem_row_elems = box width, mem_col = 0).
 void read_box(hid_t dataset, DType dtype, std::span<const std::int64_t> shape, const Box& box, void* mem,
               std::int64_t mem_row_elems, std::int64_t mem_col, const Where& w);
 void write_box(hid_t dataset, DType dtype, std::span<const std::int64_t> shape, const Box& box, const void* mem,

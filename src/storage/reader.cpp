@@ -235,11 +235,11 @@ void ReaderState::read_header(const std::string& name, Entry& e) const {
     e.skipped = "an element type shardckpt does not store";
     return;
   }
-  std::vector<std::int64_t> shape = hdf5::shape_of(set.get(), dw, no);
-  if (shape.empty()) {
-    e.skipped = "a scalar dataset (tensors have at least one dimension)";
+  if (hdf5::null_dataspace(set.get(), dw, no)) {
+    e.skipped = "a dataset without a value (a null dataspace)";
     return;
   }
+  std::vector<std::int64_t> shape = hdf5::shape_of(set.get(), dw, no);  // [] for a scalar, a tensor too
   Dataset info{name, *dtype, std::move(shape)};
   read_storage(set.get(), name, e, dw);
   if (hdf5::has_attr(set.get(), "global_shape", dw)) {

@@ -16,6 +16,7 @@ module;
 #include <vector>
 module shardckpt.storage;
 import shardckpt.core;
+import shardckpt.layout;
 import shardckpt.views;
 import :file;
 import :records;
@@ -258,23 +259,25 @@ Entry entry_of(const std::string& name, const json& v, std::uint64_t data_start,
     refuse(cat(t, " has dtype ", shown(dt), ", which shardckpt does not store (BF16, F16, F32, F64, I8 to I64, U8 to U64)"));
   std::vector<std::int64_t> shape = integers(v["shape"], cat(t, ": a dimension of its shape"));
   const std::vector<std::int64_t> offsets = integers(v["data_offsets"], cat(t, ": an offset of its data_offsets"));
-  if (shape.empty() || shape.size() > static_cast<std::size_t>(max_rank))
-    refuse(cat(t, " has ", shape.size(), " dimensions; shardckpt adopts tensors of 1 to ", max_rank));
+  if (shape.size() > static_cast<std::size_t>(max_rank))
+    refuse(cat(t, " has ", shape.size(), " dimensions; shardckpt adopts tensors of 0 (a scalar) to ", max_rank));
   if (offsets.size() != 2 || offsets[0] > offsets[1])
     refuse(cat(t, ": data_offsets ", shown(v["data_offsets"]), " is not [begin, end] with begin <= end"));
   const auto begin = static_cast<std::uint64_t>(offsets[0]), end = static_cast<std::uint64_t>(offsets[1]);
   if (end > data_bytes) refuse(cat(t, ": data_offsets [", begin, ", ", end, "] reach past the data, which has ", data_bytes, " bytes"));
-  std::int64_t row = 0, bytes = 0;
+  std::int64_t rows = 0, row = 0, bytes = 0;
   try {
-    row = checked_mul(element_count(std::span(shape).subspan(1)), element_bytes(*dtype), "the bytes of a row");
-    bytes = checked_mul(shape[0], row, "its bytes");
+    const Box whole = whole_box(shape);  // a scalar (shape []): one row of one element
+    rows = whole.rows.size();
+    row = checked_mul(whole.cols.size(), element_bytes(*dtype), "the bytes of a row");
+    bytes = checked_mul(rows, row, "its bytes");
   } catch (const Error& e) {
     refuse(cat(t, " of shape ", dims_text(shape), ": ", e.what()));
   }
   if (static_cast<std::uint64_t>(bytes) != end - begin)
     refuse(cat(t, " of shape ", dims_text(shape), " and dtype ", dt.get<std::string>(), " has ", bytes,
                " bytes, but its data_offsets [", begin, ", ", end, "] hold ", end - begin));
-  if (row == 0 && shape[0] > 0) refuse(cat(t, " of shape ", dims_text(shape), " has rows without elements"));
+  if (row == 0 && rows > 0) refuse(cat(t, " of shape ", dims_text(shape), " has rows without elements"));
   return {{name, *dtype, std::move(shape), data_start + begin}, begin, end};
 }
 

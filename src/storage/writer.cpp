@@ -58,7 +58,10 @@ Hid create_dataset(hid_t file, const Dataset& d, const Where& w) {
   if (!d.external) check(H5Pset_alloc_time(dcpl.get(), H5D_ALLOC_TIME_EARLY), w);
   check(H5Pset_fill_time(dcpl.get(), H5D_FILL_TIME_NEVER), w);
   const std::vector<hsize_t> dims(d.shape.begin(), d.shape.end());
-  Hid space = owned(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), H5Sclose, w);
+  // A scalar (shape []) has a scalar dataspace: h5py reads it as shape ().
+  Hid space = owned(dims.empty() ? H5Screate(H5S_SCALAR)
+                                 : H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr),
+                    H5Sclose, w);
   Hid type = hdf5::type_of(d.dtype);
   return owned(H5Dcreate2(file, d.key.c_str(), type.get(), space.get(), H5P_DEFAULT, dcpl.get(), H5P_DEFAULT),
                H5Dclose, w);

@@ -71,18 +71,25 @@ TEST(Format, ReadsWhatH5pyAddsAndRefusesWhatIsNotOurs) {
     return run_python("import h5py, numpy as np, sys\nf = h5py.File(sys.argv[1], 'r+')\n" + code + "\n",
                       (dir / "c.h5").string());
   };
-  // A variable-length string common value (h5py's default), a group and a scalar dataset of
-  // someone else's: read, skipped and named.
-  ASSERT_EQ(py("f['_shardckpt/common'].attrs['note'] = 'from h5py'\nf.create_group('extra')\nf['scalar'] = 3"), 0);
+  // A variable-length string common value (h5py's default), a group and a dataset without a value
+  // (h5py.Empty) of someone else's: read, skipped and named. A scalar dataset is a tensor (global
+  // shape []), whose bytes a checksummed checkpoint cannot check when it has no slab table.
+  ASSERT_EQ(py("f['_shardckpt/common'].attrs['note'] = 'from h5py'\nf.create_group('extra')\nf['scalar'] = 3\n"
+               "f.create_dataset('empty', data=h5py.Empty('f'))"),
+            0);
   {
     const CheckpointReader r(dir / "c.h5");
     EXPECT_EQ(std::get<std::string>(r.contents().common.at("note")), "from h5py");
-    EXPECT_EQ(r.datasets().size(), 2u);
+    EXPECT_EQ(r.datasets().size(), 3u);
+    EXPECT_TRUE(r.dataset("scalar").shape.empty());
     ASSERT_EQ(r.skipped().size(), 2u);
-    EXPECT_EQ(r.skipped()[1].first, "scalar");
-    const Error e = error_of([&] { (void)r.dataset("scalar"); });
+    EXPECT_EQ(r.skipped()[0].first, "empty");
+    const Error e = error_of([&] { (void)r.dataset("empty"); });
     EXPECT_EQ(e.code(), Errc::not_a_checkpoint);
-    EXPECT_TRUE(contains(e.what(), "scalar")) << e.what();
+    EXPECT_TRUE(contains(e.what(), "null dataspace")) << e.what();
+    const Error unchecked = error_of([&] { (void)r.slabs(r.dataset("scalar")); });
+    EXPECT_EQ(unchecked.code(), Errc::not_a_checkpoint);
+    EXPECT_TRUE(contains(unchecked.what(), "dataset scalar has no slab table")) << unchecked.what();
   }
   ASSERT_EQ(py("f['_shardckpt'].attrs['format'] = 'other'"), 0);
   EXPECT_EQ(error_of([&] { CheckpointReader r(dir / "c.h5"); }).code(), Errc::not_a_checkpoint);

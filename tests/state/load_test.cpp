@@ -1,5 +1,5 @@
 // Tests for shardckpt.state: loads at any layout and write method, what a load allocates, how it
-// reads, the destinations it refuses, and state dict keys.
+// reads, the destinations it refuses, state dict keys, and scalars (0-d tensors) saved and loaded.
 #include "support.hpp"
 
 // A load allocates its destination shards and nothing else; a load into existing destinations
@@ -227,4 +227,212 @@ TEST(Load, AtATpThatDoesNotDivideTheGroupsIsRefusedWithOneMessage) {
   EXPECT_EQ(refusal([&] { (void)load_into(dir / "m.h5", dst); }), message);
   // At TP 4 the same checkpoint loads.
   EXPECT_EQ(load_mismatches(c, {4, 1, 0, 1}, dir / "m.h5"), 0);
+}
+
+// ---- scalars (0-d tensors: global shape [], one element) ------------------------------------------
+
+namespace {
+
+// A state dict of two scalars and a [3] tensor, with values no other bytes of a file hold.
+constexpr std::int64_t scalar_i64 = 0x1122334455667788;
+constexpr float scalar_f32 = 0.5f;
+const float scalar_bf16 = to_f32(to_bf16(-3.25f));
+
+SharedBuffer one(DType dtype) { return SharedBuffer::zeros(dtype, {1}); }
+
+StateDict scalar_state(SharedBuffer& a, SharedBuffer& b, SharedBuffer& c, SharedBuffer& v) {
+  a.mut_view().as<std::int64_t>()[0] = scalar_i64;
+  b.mut_view().as<float>()[0] = scalar_f32;
+  c.mut_view().as<bf16>()[0] = to_bf16(scalar_bf16);
+  for (std::int64_t& x : v.mut_view().as<std::int64_t>()) x = 7;
+  StateDict s;
+  s.add(ShardedTensor::of("bn.num_batches_tracked", a, {}, {}));
+  s.add(ShardedTensor::of("opt.step", b, {}, {}));
+  s.add(ShardedTensor::expect("half", DType::bf16, {}, {}, {}));  // expect's Extents{} is a scalar's [1]
+  s.tensors().back().data = c;
+  s.add(ShardedTensor::of("v", v, {3}, {0}));
+  return s;
+}
+
+StateDict scalar_request() {
+  StateDict r;
+  r.add(ShardedTensor::expect("bn.num_batches_tracked", DType::i64, {}, {}, {}));
+  r.add(ShardedTensor::expect("opt.step", DType::f32, {1}, {}, {}));  // [1] or [] for the one element
+  r.add(ShardedTensor::expect("half", DType::bf16, {}, {}, {}));
+  return r;
+}
+
+StateDict scalar_request_of(const std::string& key) {
+  StateDict r;
+  r.add(ShardedTensor::expect(key, DType::i64, {}, {}, {}));
+  return r;
+}
+
+void expect_scalar_values(const LoadedState& s) {
+  EXPECT_EQ(s.tensor("bn.num_batches_tracked").shape(), Extents{1});
+  EXPECT_EQ(s.tensor("bn.num_batches_tracked").view().as<std::int64_t>()[0], scalar_i64);
+  EXPECT_EQ(s.tensor("opt.step").view().as<float>()[0], scalar_f32);
+  EXPECT_EQ(to_f32(s.tensor("half").view().as<bf16>()[0]), scalar_bf16);
+}
+
+}  // namespace
+
+// A scalar is a dataset of scalar dataspace (h5py reads shape ()), checksummed as one row of one
+// element, written and read by address and through HDF5 alike, and loaded into one element.
+TEST(Scalars, SaveAsScalarDatasetsAndLoadBackThroughEitherMethod) {
+  ScratchDir dir;
+  for (IoMethod saved : {IoMethod::raw, IoMethod::hyperslab}) {
+    SCOPED_TRACE(saved == IoMethod::raw ? "saved raw" : "saved through hyperslabs");
+    const auto path = dir / (saved == IoMethod::raw ? "raw.h5" : "hyperslab.h5");
+    SharedBuffer a = one(DType::i64), b = one(DType::f32), c = one(DType::bf16),
+                 v = SharedBuffer::zeros(DType::i64, {3});
+    save(scalar_state(a, b, c, v), path, {saved});
+    const CheckpointReader reader(path);
+    ASSERT_EQ(reader.datasets().size(), 4u);
+    EXPECT_TRUE(reader.skipped().empty());
+    for (const char* key : {"bn.num_batches_tracked", "opt.step", "half"}) {
+      EXPECT_TRUE(reader.dataset(key).shape.empty()) << key;
+      const std::vector<Slab> slabs = reader.slabs(reader.dataset(key));
+      ASSERT_EQ(slabs.size(), 1u) << key;
+      EXPECT_EQ(slabs[0].box, (Box{{0, 1}, {0, 1}})) << key;
+    }
+    EXPECT_EQ(reader.dataset("opt.step").dtype, DType::f32);
+    const VerifyReport report = verify_checkpoint(reader);
+    EXPECT_EQ(report.mismatches, 0);
+    EXPECT_EQ(report.checksum_rows, 3 + 3);  // a row per scalar, 3 rows of v
+    EXPECT_EQ(report.bytes, 8 + 4 + 2 + 24);
+    for (IoMethod method : {IoMethod::raw, IoMethod::hyperslab}) {
+      expect_scalar_values(load(path, scalar_request(), {method}));
+      // Into memory of one's own: one element each.
+      SharedBuffer x = one(DType::i64), y = one(DType::f32), z = one(DType::bf16);
+      StateDict into;
+      into.add(ShardedTensor::of("bn.num_batches_tracked", x, {}, {}));
+      into.add(ShardedTensor::of("opt.step", y, {}, {}));
+      into.add(ShardedTensor::of("half", z, {}, {}));
+      (void)load_into(path, into, {method});
+      EXPECT_EQ(x.view().as<std::int64_t>()[0], scalar_i64);
+      EXPECT_EQ(y.view().as<float>()[0], scalar_f32);
+      EXPECT_EQ(to_f32(z.view().as<bf16>()[0]), scalar_bf16);
+    }
+    if (testing_support::have_python_module("h5py")) {
+      EXPECT_EQ(testing_support::run_python("import h5py, sys\nf = h5py.File(sys.argv[1], 'r')\n"
+                                            "assert f['opt.step'].shape == () and f['opt.step'][()] == 0.5\n"
+                                            "assert f['half'].shape == () and f['half'][()] == -3.25\n"
+                                            "n = f['bn.num_batches_tracked']\n"
+                                            "assert n.shape == () and n.dtype == 'int64'\n"
+                                            "assert n[()] == 0x1122334455667788\n"
+                                            "assert f['v'].shape == (3,)\n",
+                                            path.string()),
+                0);
+    }
+  }
+  // The local (per-rank) path holds the scalar's one element and its empty global shape.
+  SharedBuffer a = one(DType::i64), b = one(DType::f32), c = one(DType::bf16), v = SharedBuffer::zeros(DType::i64, {3});
+  save_local(scalar_state(a, b, c, v), dir / "local.h5");
+  expect_scalar_values(load_local(dir / "local.h5", scalar_request()));
+}
+
+// A byte of a scalar changed in the file is found by verify and refused by a load, as any row is.
+TEST(Scalars, AreVerifiedAgainstTheirChecksum) {
+  ScratchDir dir;
+  SharedBuffer a = one(DType::i64), b = one(DType::f32), c = one(DType::bf16), v = SharedBuffer::zeros(DType::i64, {3});
+  save(scalar_state(a, b, c, v), dir / "c.h5");
+  std::string bytes = file_bytes(dir / "c.h5");
+  std::string pattern(8, '\0');
+  std::memcpy(pattern.data(), &scalar_i64, 8);
+  const std::size_t at = bytes.find(pattern);
+  ASSERT_NE(at, std::string::npos);
+  ASSERT_EQ(bytes.find(pattern, at + 1), std::string::npos);
+  bytes[at] ^= 1;
+  std::ofstream(dir / "c.h5", std::ios::binary | std::ios::trunc) << bytes;
+  const VerifyReport report = verify_checkpoint(CheckpointReader(dir / "c.h5"));
+  EXPECT_EQ(report.mismatches, 1);
+  ASSERT_EQ(report.problems.size(), 1u);
+  EXPECT_TRUE(testing_support::contains(report.problems[0], "key bn.num_batches_tracked, rows [0, 1)"))
+      << report.problems[0];
+  for (IoMethod method : {IoMethod::raw, IoMethod::hyperslab}) {
+    const Error e = error_of([&] { (void)load(dir / "c.h5", scalar_request(), {method}); });
+    EXPECT_EQ(e.code(), Errc::corrupt) << e.what();
+    EXPECT_TRUE(testing_support::contains(e.what(), "bn.num_batches_tracked")) << e.what();
+  }
+}
+
+// Data-parallel copies of a scalar on thread ranks: exactly one writes it (replica 0's value is in
+// the file), copies that do not say they are replicas are an overlap, and copies that load through
+// their replica group each end with the value.
+TEST(Scalars, OneOfTheReplicasWritesAndEveryReplicaLoads) {
+  ScratchDir dir;
+  for (IoMethod method : {IoMethod::raw, IoMethod::hyperslab}) {
+    run_ranks(4, [&](ProcessGroup& g) {
+      SharedBuffer s = one(DType::i64);
+      s.mut_view().as<std::int64_t>()[0] = 100 + g.rank();  // told apart, to see whose is written
+      StateDict state;
+      state.add(ShardedTensor::of("step", s, {}, {}, g.rank(), g.size()));
+      save(state, dir / "c.h5", g, {method});
+    });
+    const CheckpointReader reader(dir / "c.h5");
+    EXPECT_EQ(reader.slabs(reader.dataset("step")).size(), 1u);
+    const LoadedState loaded = load(reader, scalar_request_of("step"));
+    EXPECT_EQ(loaded.tensor("step").view().as<std::int64_t>()[0], 100);
+  }
+  std::vector<std::string> messages;
+  std::mutex m;
+  run_ranks(2, [&](ProcessGroup& g) {
+    SharedBuffer s = one(DType::i64);
+    StateDict state;
+    state.add(ShardedTensor::of("step", s, {}, {}));  // both write it
+    const Error e = error_of([&] { save(state, dir / "overlap.h5", g); });
+    const std::lock_guard lock(m);
+    EXPECT_EQ(e.code(), Errc::tiling);
+    messages.push_back(e.what());
+  });
+  for (const std::string& text : messages)
+    EXPECT_TRUE(testing_support::contains(text, "key step: rows [0, 1) are saved by both rank 0 and rank 1")) << text;
+  EXPECT_FALSE(std::filesystem::exists(dir / "overlap.h5"));
+  std::vector<std::int64_t> got(4, -1);
+  run_ranks(4, [&](ProcessGroup& g) {
+    SharedBuffer s = one(DType::i64);
+    StateDict into;
+    into.add(ShardedTensor::of("step", s, {}, {}, g.rank(), g.size()));
+    (void)load_into(dir / "c.h5", into, g, {}, &g);  // the group is the replica group: one reads, all receive
+    got[static_cast<std::size_t>(g.rank())] = s.view().as<std::int64_t>()[0];
+  });
+  EXPECT_EQ(got, std::vector<std::int64_t>(4, 100));
+}
+
+// A scalar request against a [1] dataset, or a [1] request against a scalar dataset, is
+// Errc::shape_mismatch naming the key and both shapes; a scalar with an offset or a shard of more
+// than one element is refused when added.
+TEST(Scalars, ARequestOfAnotherShapeIsAShapeMismatchNamingBoth) {
+  ScratchDir dir;
+  {
+    SharedBuffer s = one(DType::f32), t = one(DType::f32);
+    StateDict state;
+    state.add(ShardedTensor::of("scalar", s, {}, {}));
+    state.add(ShardedTensor::of("vector", t, {1}, {0}));
+    save(state, dir / "c.h5");
+  }
+  for (IoMethod method : {IoMethod::raw, IoMethod::hyperslab}) {
+    StateDict as_vector;
+    as_vector.add(ShardedTensor::expect("scalar", DType::f32, {1}, {1}, {0}));
+    const Error a = error_of([&] { (void)load(dir / "c.h5", as_vector, {method}); });
+    EXPECT_EQ(a.code(), Errc::shape_mismatch) << a.what();
+    EXPECT_TRUE(testing_support::contains(a.what(), "key scalar: the checkpoint holds global shape [] but tensor "
+                                                    "scalar expects [1]"))
+        << a.what();
+    StateDict as_scalar;
+    as_scalar.add(ShardedTensor::expect("vector", DType::f32, {}, {}, {}));
+    const Error b = error_of([&] { (void)load(dir / "c.h5", as_scalar, {method}); });
+    EXPECT_EQ(b.code(), Errc::shape_mismatch) << b.what();
+    EXPECT_TRUE(testing_support::contains(b.what(), "key vector: the checkpoint holds global shape [1] but tensor "
+                                                    "vector expects []"))
+        << b.what();
+  }
+  SharedBuffer two = SharedBuffer::zeros(DType::f32, {2});
+  StateDict bad;
+  const Error offset = error_of([&] { bad.add(ShardedTensor::expect("s", DType::f32, {}, {}, {0})); });
+  EXPECT_EQ(offset.code(), Errc::invalid_argument);
+  EXPECT_TRUE(testing_support::contains(offset.what(), "tensor s: a scalar (global shape [])")) << offset.what();
+  EXPECT_EQ(error_of([&] { bad.add(ShardedTensor::of("s", two, {}, {})); }).code(), Errc::invalid_argument);
+  EXPECT_EQ(bad.tensors().size(), 0u);
 }
