@@ -8,8 +8,9 @@
 # DTensors, torch.distributed.checkpoint), which are skipped, and say so, when PyPI cannot be reached.
 # PyPI's torch for Linux is a CUDA build: with its nvidia-* wheels about 3 GB to download and 5.5 GB
 # installed; it runs on the CPU as well. The other Python tests run Debian's python3-torch 1.13.
-# --peers (not part of demo.sh or test.sh): --torch2, and builds build/ and makes the project's
-# package importable in that environment (a .pth file naming build/python), for bench/peers.py.
+# --peers (not part of demo.sh or test.sh): --torch2, and builds build/ and installs the package into
+# that environment with pip (scripts/pip-install.sh), for bench/peers.py. test.sh installs it there
+# too (scripts/pip-check.sh), so the torch 2.x tests run the package as pip installs it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -68,8 +69,9 @@ assert int(torch.__version__.split(".")[0]) >= 2' 2>/dev/null; then
 fi
 if $peers; then
   site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  echo "$(pwd)/build/python" > "$site/shardckpt-build.pth"
+  rm -f "$site/shardckpt-build.pth"  # made by earlier setups: the package comes by pip now
   ninja -C build >/dev/null
+  scripts/pip-install.sh "$venv" -q
   "$venv/bin/python" -c 'import shardckpt, torch, safetensors
 print(f"setup: {shardckpt.__file__} with torch {torch.__version__} and safetensors {safetensors.__version__}")'
 fi

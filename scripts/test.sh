@@ -12,6 +12,9 @@ work=$(mktemp -d)
 trap 'rm -rf "$log" "$work"' EXIT
 status=0
 meson compile -C build || exit 1
+# pip install . as users do, into a fresh venv and into build/peers-venv, whose torch 2.x tests
+# (tests/torch2, in the meson tests) then run the installed package.
+scripts/pip-check.sh 2>&1 | tee -a "$log" || status=1
 meson test -C build --print-errorlogs 2>&1 | tee -a "$log" || status=1
 meson compile -C build-asan || exit 1
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
@@ -44,6 +47,6 @@ bash tests/consumers_test.sh build 2>&1 | tee -a "$log" || status=1
 /usr/bin/python3 tests/docs_test.py 2>&1 | tee -a "$log" || status=1
 
 count() { awk -v k="$1" '$1 == k":" { n += $2 } END { print n + 0 }' "$log"; }
-scripts=$(awk '/^(hostile files|fuzz|kill test|consumers|docs): [0-9]+ passed, [0-9]+ failed$/ { p += $(NF-3); f += $(NF-1) } END { print p + 0, f + 0 }' "$log")
+scripts=$(awk '/^(hostile files|fuzz|kill test|consumers|docs|pip): [0-9]+ passed, [0-9]+ failed$/ { p += $(NF-3); f += $(NF-1) } END { print p + 0, f + 0 }' "$log")
 echo "tests: $(($(count Ok) + ${scripts% *})) passed, $(($(count Fail) + $(count Timeout) + ${scripts#* })) failed, $(count Skipped) skipped"
 exit $status

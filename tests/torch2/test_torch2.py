@@ -115,7 +115,7 @@ class OneProcess(unittest.TestCase):
         import torch.distributed.checkpoint as dcp
         from safetensors.torch import save_file
         from shardckpt.dcp import Reader
-        tool = os.path.join(os.path.dirname(__file__), "..", "..", "build", "shardckpt")
+        tool = os.path.join(sys.prefix, "bin", "shardckpt")  # installed beside the package by pip
         weights = {"embed.weight": torch.arange(24, dtype=torch.float32).reshape(6, 4),
                    "norm.weight": torch.ones(4, dtype=torch.bfloat16) * 3}
         with tempfile.TemporaryDirectory() as d:
