@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from . import _core
-from .state_dict import agree, default_group
+from .state_dict import _stored, agree, default_group
 
 __all__ = ["BYTES_KEY", "PLANNER_DATA_KEY", "Reader", "Writer"]
 
@@ -48,13 +48,17 @@ def _done(value):
     return future
 
 
-def _stored(tensor):
-    t = tensor.detach()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    if t.dtype == torch.bool:
-        t = t.view(torch.uint8)
-    return t
+class _Path:
+    """The checkpoint a Writer or Reader names: given at construction, or by DCP's checkpoint_id."""
+
+    def __init__(self, path, options):
+        super().__init__()
+        self.path = None if path is None else os.fspath(path)
+        self._options = options
+
+    def reset(self, checkpoint_id=None):
+        if checkpoint_id is not None:
+            self.path = os.fspath(checkpoint_id)
 
 
 def _plain_path(path):
@@ -63,20 +67,14 @@ def _plain_path(path):
     return os.fspath(path)
 
 
-class Writer(StorageWriter):
+class Writer(_Path, StorageWriter):
     """A DCP StorageWriter that writes one shardckpt checkpoint at `path` (a file; it must not be a
     directory). `group`: the process group of the save (None: the default group when initialized).
     `options`: shardckpt.save's (method="raw"|"hyperslab", checksums=True)."""
 
     def __init__(self, path=None, group=None, **options):
-        super().__init__()
-        self.path = None if path is None else os.fspath(path)
+        super().__init__(path, options)
         self._group = group
-        self._options = options
-
-    def reset(self, checkpoint_id=None):
-        if checkpoint_id is not None:
-            self.path = os.fspath(checkpoint_id)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id):
@@ -142,20 +140,14 @@ class Writer(StorageWriter):
         pass  # the library's save committed the checkpoint, sealed, in write_data
 
 
-class Reader(StorageReader):
+class Reader(_Path, StorageReader):
     """A DCP StorageReader of the shardckpt checkpoint at `path`: one written by Writer, a native
     shardckpt checkpoint or an adopted safetensors one. `options`: shardckpt.load_into's (method,
     verify_checksums=True, bypass_page_cache=False)."""
 
     def __init__(self, path=None, **options):
-        super().__init__()
-        self.path = None if path is None else os.fspath(path)
-        self._options = options
+        super().__init__(path, options)
         self._datasets = {}
-
-    def reset(self, checkpoint_id=None):
-        if checkpoint_id is not None:
-            self.path = os.fspath(checkpoint_id)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id):
