@@ -1,6 +1,6 @@
 // shardckpt.dist:protocol (implementation partition): how ranks agree. Every step of a collective
 // operation exchanges every rank's outcome: either every rank gets every payload, or every rank throws
-// the same error (the code of the lowest failing rank, the message of each). A rank never returns
+// the same error (the code of the lowest failing rank, each failure said once). A rank never returns
 // before it knows every rank's outcome.
 module;
 #include <algorithm>
@@ -78,33 +78,83 @@ inline std::span<const std::byte> payload_or_throw(std::span<const std::byte> by
   throw Error(code, r.str());
 }
 
-// Every rank's payload, or one error for all: the code of the lowest failing rank and the message
-// of every failing rank.
-// Ranks that failed with the same message are named together, so that a failure every rank shares
-// reads once.
+// "0-3, 5, 7-9": ranks in ascending order, each run of consecutive ranks as its ends.
+inline std::string rank_list(const std::vector<std::size_t>& ranks) {
+  std::string out;
+  for (std::size_t i = 0; i < ranks.size();) {
+    std::size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+    out += cat(i ? ", " : "", ranks[i]);
+    if (j > i) out += cat(j == i + 1 ? ", " : "-", ranks[j]);
+    i = j + 1;
+  }
+  return out;
+}
+
+inline std::string ranks_text(const std::vector<std::size_t>& ranks) {
+  return cat(ranks.size() > 1 ? "ranks " : "rank ", rank_list(ranks));
+}
+
+// A message with every run of digits as '#': the messages of ranks that failed alike, each naming
+// its own TP and GTP rank or rows ("parameter K (TP rank 1, GTP rank 0): ..."), are one failure.
+inline std::string without_numbers(std::string_view text) {
+  std::string out;
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    const bool digit = text[i] >= '0' && text[i] <= '9';
+    if (!digit) out += text[i];
+    else if (out.empty() || out.back() != '#') out += '#';
+  }
+  return out;
+}
+
+// Every rank's payload, or one error for all: the code of the lowest failing rank and each failure
+// said once. Ranks that failed with the same message are named together ("ranks 0-3: <text>"), and
+// so are ranks whose messages differ only in their numbers (each its own ranks or rows): the lowest
+// rank's text stands for them all, so that a message every rank prints does not repeat every rank's
+// text. Messages of more than `max_failures` kinds end with the ranks of the rest.
 inline std::vector<std::span<const std::byte>> payloads_or_throw(std::string_view phase, const std::vector<Bytes>& outcomes) {
+  constexpr std::size_t max_failures = 8;
+  struct Failure {
+    std::string alike;                 // the message without its numbers
+    std::string text;                  // the lowest rank's message
+    std::vector<std::size_t> ranks;    // every rank of this kind, ascending
+    std::vector<std::size_t> others;   // those whose message differs from `text` in its numbers
+  };
   std::vector<std::span<const std::byte>> payloads;
   std::optional<Errc> code;
-  std::vector<std::pair<std::string, std::vector<std::size_t>>> failures;  // message, ranks, in rank order
+  std::vector<Failure> failures;  // in the order of their lowest rank
   for (std::size_t r = 0; r < outcomes.size(); ++r) {
     try {
       payloads.push_back(payload_or_throw(outcomes[r]));
     } catch (const Error& e) {
       if (!code) code = e.code();
-      const auto same = std::find_if(failures.begin(), failures.end(), [&](const auto& f) { return f.first == e.what(); });
-      if (same == failures.end())
-        failures.emplace_back(e.what(), std::vector<std::size_t>{r});
-      else
-        same->second.push_back(r);
+      std::string alike = without_numbers(e.what());
+      const auto same = std::find_if(failures.begin(), failures.end(), [&](const Failure& f) { return f.alike == alike; });
+      if (same == failures.end()) {
+        failures.push_back({std::move(alike), e.what(), {r}, {}});
+        continue;
+      }
+      same->ranks.push_back(r);
+      if (same->text != e.what()) same->others.push_back(r);
     }
   }
   if (!code) return payloads;
   std::string text;
-  for (const auto& [message, ranks] : failures) {
-    text += text.empty() ? " failed on rank" : "; and on rank";
-    text += ranks.size() > 1 ? "s " : " ";
-    for (std::size_t i = 0; i < ranks.size(); ++i) text += cat(i ? ", " : "", ranks[i]);
-    text += cat(": ", message);
+  std::vector<std::size_t> rest;
+  for (std::size_t i = 0; i < failures.size(); ++i) {
+    const Failure& f = failures[i];
+    if (i >= max_failures) {
+      rest.insert(rest.end(), f.ranks.begin(), f.ranks.end());
+      continue;
+    }
+    text += cat(i ? "; and on " : " failed on ", ranks_text(f.ranks), ": ", f.text);
+    if (!f.others.empty())
+      text += cat(" (in rank ", f.ranks.front(), "'s words; ", ranks_text(f.others), " said the same of ",
+                  f.others.size() > 1 ? "their" : "its", " own numbers)");
+  }
+  if (!rest.empty()) {
+    std::sort(rest.begin(), rest.end());
+    text += cat("; and on ", ranks_text(rest), ", otherwise");
   }
   throw Error(*code, cat(phase, text));
 }

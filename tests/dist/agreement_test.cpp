@@ -2,7 +2,8 @@
 // bytes in the file while another thread changes the shard; ranks that name different paths all
 // fail; a group that delivers other bytes than were sent commits nothing; a peer that fails after
 // the commit leaves a complete checkpoint and an error that says so; a flat range that holds
-// nothing of its parameter is a tiling error, not a missing key; names HDF5 would cut are refused.
+// nothing of its parameter is a tiling error, not a missing key; names HDF5 would cut are refused;
+// a failure of many ranks is said once.
 #include "support.hpp"
 
 namespace {
@@ -163,6 +164,56 @@ TEST(Groups, APeerThatFailsAfterTheCommitLeavesACompleteCheckpointAndSaysSo) {
   EXPECT_EQ(verify_checkpoint(CheckpointReader(path)).mismatches, 0);
   EXPECT_EQ(mismatches_at(c, {1, 4, 8, 1}, path), 0);
   EXPECT_TRUE(testing_support::temporary_files(dir.path()).empty());
+}
+
+// A failure of many ranks is said once in the message every rank gets: ranks with the same message
+// are named together as runs ("ranks 0-3, 6"), and ranks whose messages differ only in their own
+// numbers (their GTP rank) are said in the lowest one's words.
+TEST(Messages, EachFailureIsSaidOnce) {
+  ScratchDir dir;
+  std::vector<std::string> messages;
+  (void)outcomes(
+      8,
+      [&](ProcessGroup& g) {
+        StateDict s;
+        if (g.rank() < 4 || g.rank() == 6)
+          s.add(ShardedTensor::expect("t", DType::f32, {2, 2}, {16, 2}, {g.rank() * 2, 0}));
+        else
+          s.add(ShardedTensor::of("t", SharedBuffer::zeros(DType::f32, {2, 2}), {16, 2}, {g.rank() * 2, 0}));
+        save(s, dir / "c.h5", g);
+      },
+      &messages);
+  ASSERT_EQ(messages.size(), 8u);
+  for (const std::string& m : messages) {
+    EXPECT_EQ(m, messages.front());
+    EXPECT_NE(m.find("failed on ranks 0-3, 6: tensor t: no data to save"), std::string::npos) << m;
+    EXPECT_EQ(m.find("; and on"), std::string::npos) << m;
+  }
+  messages.clear();
+  (void)outcomes(
+      8,
+      [&](ProcessGroup& g) {
+        ShardedParam p;
+        p.spec.key = "w";
+        p.spec.sections = plain_sections(16);
+        p.spec.trailing = {4};
+        p.gtp = 8;
+        p.coord = {0, g.rank()};
+        StateDict s;
+        s.add(p);  // no shard: each rank's message names its own GTP rank
+        save(s, dir / "c.h5", g);
+      },
+      &messages);
+  ASSERT_EQ(messages.size(), 8u);
+  for (const std::string& m : messages) {
+    EXPECT_EQ(m, messages.front());
+    EXPECT_NE(m.find("failed on ranks 0-7: parameter w (TP rank 0, GTP rank 0): no shard to save (in rank 0's words; "
+                     "ranks 1-7 said the same of their own numbers)"),
+              std::string::npos)
+        << m;
+    EXPECT_EQ(m.find("GTP rank 1"), std::string::npos) << m;
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir / "c.h5"));
 }
 
 TEST(Tiling, AnEmptyFlatRangeOfTheOnlyHolderIsATilingError) {
