@@ -28,8 +28,10 @@ struct Range {
   friend constexpr bool operator==(Range, Range) = default;
 };
 
-// GTP geometry of one parameter of R rows over a group of G ranks with alignment A (SPEC.md,
-// "Geometry"). Pad rows sit at the tail; ranks whose padded rows are all pad are padding-only.
+// GTP geometry of one parameter of R rows over a group of G ranks with alignment A: the block is
+// B = A*G rows, P = (B - R mod B) mod B pad rows make R + P, and GTP rank g holds padded rows
+// [g*L, (g+1)*L) with L = (R + P) / G. Pad rows sit at the tail; ranks whose padded rows are all pad
+// are padding-only.
 class GtpGeometry {
  public:
   constexpr GtpGeometry() = default;
@@ -92,8 +94,9 @@ struct SsmDims {
 // divisors of every parameter whose layout is computed from them (fused GDP and Mamba weights).
 std::vector<TpDivisor> ssm_divisors(const SsmDims& dims);
 
-// TP-local sections of the fused layouts (SPEC.md, "Fused layouts"). Throw Errc::layout when a size
-// is not positive, or heads or groups do not divide by tp (require_tp_divides, without a key).
+// TP-local sections of the fused layouts (their sizes: docs/python.md, "The fused-layout rule").
+// Throw Errc::layout when a size is not positive, or heads or groups do not divide by tp
+// (require_tp_divides, without a key).
 std::vector<Section> gdp_in_proj_sections(const SsmDims& dims, std::int64_t tp);
 std::vector<Section> gdp_conv1d_sections(const SsmDims& dims, std::int64_t tp);
 std::vector<Section> mamba_in_proj_sections(const SsmDims& dims, std::int64_t tp);

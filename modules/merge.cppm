@@ -1,4 +1,5 @@
-// shardckpt.merge: one rank's state dict to pieces and back (SPEC.md, "State dict and merge order").
+// shardckpt.merge: one rank's state dict to pieces and back (docs/design.md, "Load: straight into the
+// destination rows": the complete tree first, then the factory merges).
 // On save, factories expand into views of their shard's rows (pieces, never a copy): replicas of one
 // shard each write a balanced share, a distributed optimizer's rank writes its flat range of the
 // shard. On load, each piece is read straight into its destination rows, where they are (host, or

@@ -47,7 +47,8 @@ struct ShardedTensor {
                               std::vector<std::int64_t> global_offset, int replica_id = 0, int replicas = 1);
 };
 
-// A GTP-sharded parameter as one rank holds it: the factory of SPEC.md. `shard` is the padded shard
+// A GTP-sharded parameter as one rank holds it: a factory (expanded into pieces on save, merged back
+// against the complete loaded tree on load; docs/design.md). `shard` is the padded shard
 // (pad rows zero), or with `flat` the 1-D tensor of that range of it.
 struct ShardedParam {
   ParamSpec spec;

@@ -23,7 +23,8 @@ std::int64_t per_tp(std::int64_t total, std::int64_t tp, std::string_view what) 
   return total / tp;
 }
 
-// Sizes shared by the GDP and Mamba layouts: dI, gS and nH of SPEC.md.
+// Sizes shared by the GDP and Mamba layouts: dI = heads*head_dim/TP, gS = (groups/TP)*state and
+// nH = heads/TP.
 struct LocalDims {
   std::int64_t d_inner, group_state, heads, householder;
 };
@@ -241,7 +242,7 @@ RankPlan plan_rank(const ParamSpec& spec, std::int64_t gtp, std::int64_t align, 
   const std::vector<Block> all = blocks(spec);
   for (std::size_t j = 0; j < all.size(); ++j) {
     const Block& b = all[j];
-    const Range hit = real.intersect(b.local_rows);  // [lo, hi) of SPEC.md, "What a rank saves"
+    const Range hit = real.intersect(b.local_rows);  // the block's rows among this rank's real rows
     if (hit.empty()) continue;
     Piece p{b.key, j,          b.global_shape,        std::vector<std::int64_t>(b.global_shape.size(), 0),
             {},    hit.size(), hit.begin - real.begin};

@@ -27,7 +27,7 @@ struct GdpLayerImpl : torch::nn::Module {
 };
 TORCH_MODULE(GdpLayer);
 
-// The in_proj's blocks in row order (SPEC.md, "Fused layouts"): names and TP-local rows.
+// The in_proj's blocks in row order (docs/python.md, "The fused-layout rule"): names and TP-local rows.
 struct Sections {
   std::vector<std::string> names;
   std::vector<shardckpt_section> list;

@@ -77,9 +77,11 @@ typedef struct shardckpt_divisor {
   int64_t count;
 } shardckpt_divisor;
 
-/* One GTP-sharded parameter as one rank holds it (SPEC.md, "Geometry"). `shard` is the rank's padded
- * shard, row-major, of shape (padded rows, trailing...) (shardckpt_shard_rows): real rows first,
- * zero pad rows at the tail; `shard_bytes` is the size of that buffer, checked against the layout. */
+/* One GTP-sharded parameter as one rank holds it: its R TP-local rows over a GTP group of G ranks
+ * with alignment A are padded to a multiple of A*G, and GTP rank g holds rows [g*L, (g+1)*L) of
+ * them, L = padded rows / G. `shard` is the rank's padded shard, row-major, of shape (padded rows,
+ * trailing...) (shardckpt_shard_rows): real rows first, zero pad rows at the tail; `shard_bytes` is
+ * the size of that buffer, checked against the layout. */
 typedef struct shardckpt_param {
   const char* key;
   const shardckpt_section* sections; /* TP-local row counts in row order */
