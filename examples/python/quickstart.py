@@ -7,6 +7,7 @@ Each of the 4 processes holds, at TP 2 x GTP 2 with alignment 16, the padded sha
 GatedDeltaProduct in_proj (bf16) and its Adam moment (f32); they save one checkpoint together, in the
 background, then load it back at another layout, and read it with h5py alone.
 """
+import json
 import os
 import sys
 
@@ -66,6 +67,14 @@ if rank == 0:
         z_bf16 = torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16)
     z_rows = spec.sections[0].rows  # TP rank 1's z rows are the second half of the z block
     assert torch.equal(z_bf16[z_rows:2 * z_rows], local[:z_rows])
+    # h5py alone, the blocks in row order (h5py lists datasets alphabetically): the weight without TP.
+    with h5py.File(path, "r") as f:
+        records = json.loads(f["_shardckpt"].attrs["params"])  # each parameter's blocks, in row order
+        blocks = next(r for r in records if r["key"] == spec.key)["blocks"]
+        names = [f"{spec.key}.{b['name']}" if b["name"] else spec.key for b in blocks]
+        fused = np.concatenate([f[name][()] for name in names])  # h5py reads bf16 as float32
+    assert torch.equal(torch.from_numpy(fused).to(torch.bfloat16), sc.read(path)[spec.key])
+    assert sc.read(path)["step"] == 100  # read gives the common values too
     print(f"saved at TP {tp} x GTP {gtp}, loaded at TP 1 x GTP 4: step {values['step']}, "
           f"z block {tuple(z_bf16.shape)} read with h5py")
 dist.destroy_process_group()

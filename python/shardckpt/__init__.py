@@ -3,6 +3,7 @@ gathering a full tensor. The Python face of the C++ library (docs/python.md): te
 through DLPack (torch, numpy, JAX, CuPy), torch.distributed is the process group (TorchGroup), and
 every save and load is the library's own.
 """
+import json
 import os
 import sys
 
@@ -22,11 +23,13 @@ from ._core import (AsyncSave, Error, ParamSpec, Section, ShardedParam, ShardedT
                     gdp_conv1d_sections, gdp_in_proj_sections, mamba_conv1d_sections, mamba_in_proj_sections,
                     plain_sections)
 from ._torch import TorchGroup
+from ._shards import shard_of as _shard_of
 from .state_dict import load_state_dict, save_state_dict
 
 __version__ = _core.__version__
+ShardedParam.shard_of = _shard_of
 __all__ = ["AsyncSave", "Error", "ParamSpec", "Saver", "Section", "ShardedParam", "ShardedTensor", "SsmDims",
-           "StateDict", "TorchGroup", "TpDivisor", "gdp_conv1d_sections", "gdp_in_proj_sections", "inspect", "load",
+           "StateDict", "TorchGroup", "TpDivisor", "adopt", "gdp_conv1d_sections", "gdp_in_proj_sections", "inspect", "load",
            "load_into", "load_state_dict", "mamba_conv1d_sections", "mamba_in_proj_sections", "plain_sections", "read",
            "save", "save_state_dict", "ssm_divisors", "verify"]
 
@@ -87,10 +90,22 @@ def load(path, request, group=None, **options):
 
 
 def read(path, tp=1, tp_rank=0):
-    """Every tensor of a checkpoint at TP degree `tp`, as TP rank `tp_rank` holds it: each parameter's
-    TP-local weight (its fused blocks joined in row order; at tp=1 the plain weight) as a torch
-    tensor, loaded by the library (every byte checked against its checksum)."""
-    return {k: v for k, v in _as_torch(_core.read(os.fspath(path), tp, tp_rank)).items() if hasattr(v, "dtype")}
+    """Every tensor of a checkpoint at TP degree `tp`, as TP rank `tp_rank` holds it, and its common
+    values, in one dict (as load gives them): each parameter's TP-local weight (its fused blocks
+    joined in row order; at tp=1 the plain weight) as a torch tensor, loaded by the library (every
+    byte checked against its checksum), and each common value's key to its int, float or str."""
+    return _as_torch(_core.read(os.fspath(path), tp, tp_rank))
+
+
+def adopt(source, out, specs, common=None):
+    """Makes `source`, a safetensors file (Hugging Face's) or a plain HDF5 file (h5py's) holding the
+    weights without TP, loadable as the checkpoint `out` (in the same directory) without copying its
+    data, as `shardckpt adopt` does: `specs` are the parameters (ParamSpec, at any TP, or their
+    record() dicts), whose fused tensors are cut into their blocks; `common` a dict of common values.
+    Returns the counts {"tensors", "params", "fused", "bytes"}; raises shardckpt.Error as the CLI
+    exits 2."""
+    records = [s.record() if isinstance(s, ParamSpec) else s for s in specs]
+    return _core.adopt(os.fspath(source), os.fspath(out), json.dumps(records), dict(common or {}))
 
 
 def inspect(path):

@@ -116,7 +116,7 @@ class UnchangedCheck {
       }
     require(changed == 0, Errc::shard_changed, "key ", want.key, ": ", changed, " of rows [", want.first + first + lo,
             ", ", want.first + first + hi, ") of its dataset changed after save_async and before the save had read "
-            "them: a shard must not change until AsyncSave::wait_staged() returns (SaverOptions::check_unchanged)");
+            "them: a shard must not change until the save's wait_staged() returns (the check_unchanged option)");
   }
 
   // The same for every item of a plan staged whole.

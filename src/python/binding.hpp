@@ -36,16 +36,20 @@ class constructed_caster : public py::detail::type_caster_base<T> {
 // round-trip: undecodable bytes become lone surrogates, as os.fsdecode makes them.
 py::str message_text(std::string_view text);
 py::str value_text(std::string_view text);
+// A library message with the C++ API's names it may hold (a Saver's CopyEngine, SaverOptions) put
+// in the Python API's words (Saver(cuda_device=N), Saver(check_unchanged=True)): shardckpt.Error's text.
+std::string python_wording(std::string text);
 // A Python str as UTF-8 for the library; one that has none (a lone surrogate) is a ValueError that
 // says what it is (`what`: "key", "key K: the value").
 std::string utf8_text(py::handle text, std::string_view what);
 
 // Tensor memory from any object with __dlpack__ (or a "dltensor" capsule): the buffer shares the
 // ownership of the producer's tensor (the DLPack deleter runs when the last owner goes, with the GIL
-// held). CPU memory is host memory, CUDA host memory pinned, CUDA memory device memory. A dtype the
-// library lacks is TypeError, a non-contiguous tensor, a scalar, too many dims or a null data pointer
-// for a tensor of some bytes ValueError, each naming `key` (torch's __dlpack__ itself refuses a
-// tensor whose storage was freed or shrunk under it).
+// held). CPU memory is host memory, CUDA host memory pinned, CUDA memory device memory. A 0-d tensor
+// is its one element (a buffer of shape [1]). A dtype the library lacks, or a torch DTensor, is
+// TypeError; a non-contiguous tensor, too many dims or a null data pointer for a tensor of some bytes
+// ValueError, each naming `key` (torch's __dlpack__ itself refuses a tensor whose storage was freed
+// or shrunk under it).
 SharedBuffer buffer_from_dlpack(py::handle tensor, std::string_view key);
 
 // `managed` in an unused "dltensor" capsule, which runs its deleter unless a consumer took it (and
@@ -53,8 +57,9 @@ SharedBuffer buffer_from_dlpack(py::handle tensor, std::string_view key);
 py::capsule dlpack_capsule(DLManagedTensor* managed);
 
 // A library-owned buffer as a Python object with __dlpack__ and __dlpack_device__ (torch.from_dlpack
-// and numpy.from_dlpack take it without copying); it shares the buffer's ownership.
-py::object tensor_object(SharedBuffer buffer);
+// and numpy.from_dlpack take it without copying); it shares the buffer's ownership. `scalar`: the
+// buffer's one element as a 0-d tensor.
+py::object tensor_object(SharedBuffer buffer, bool scalar = false);
 
 // A process group over a Python object with the group protocol of shardckpt.TorchGroup (rank, size,
 // barrier, all_gather_bytes, broadcast_bytes, all_gather_rows, split, device_index,

@@ -94,13 +94,17 @@ struct GroupArg {
   ProcessGroup& get() { return *group; }
 };
 
-py::dict tensors_dict(LoadedState& loaded) {
+// The loaded tensors (the request's scalars as 0-d tensors) and values.
+py::dict tensors_dict(LoadedState& loaded, const StateDict& request) {
+  std::set<std::string, std::less<>> scalars;
+  for (const ShardedTensor& t : request.tensors())
+    if (t.scalar()) scalars.insert(t.key);
   py::dict out;
   for (const std::string& key : loaded.keys()) {
     if (loaded.values().contains(key)) {
       out[value_text(key)] = python_value(loaded.value(key));
     } else {
-      out[value_text(key)] = tensor_object(loaded.tensor(key));
+      out[value_text(key)] = tensor_object(loaded.tensor(key), scalars.contains(key));
     }
   }
   return out;
@@ -201,7 +205,7 @@ void close_savers() {
     } catch (const std::exception& e) {
       py::module_::import("sys").attr("stderr").attr("write")(
           message_text(cat("shardckpt: an async save to ", last->path, " that nobody waited for failed at exit: ",
-                           e.what(), "\n")));
+                           python_wording(e.what()), "\n")));
     }
   }
 }
@@ -380,20 +384,21 @@ void bind_io(py::module_& m) {
             py::gil_scoped_release nogil;
             loaded.emplace(load(path, request.state, g.get(), std::move(o)));
           }
-          return tensors_dict(*loaded);
+          return tensors_dict(*loaded, request.state);
         },
         py::arg("path"), py::arg("request"), py::arg("group") = py::none(), py::arg("method") = "raw",
         py::arg("verify_checksums") = true);
   m.def("read",
         [](const Path& path, std::int64_t tp, std::int64_t tp_rank) {
           std::optional<LoadedState> loaded;
+          std::optional<StateDict> request;
           {
             py::gil_scoped_release nogil;
             const CheckpointReader reader(path);
-            const StateDict request = request_all(reader, LoadLayout{.tp = tp, .coord = {tp_rank, 0}});
-            loaded.emplace(load(reader, request));
+            request.emplace(request_all(reader, LoadLayout{.tp = tp, .coord = {tp_rank, 0}}));
+            loaded.emplace(load(reader, *request));
           }
-          return tensors_dict(*loaded);
+          return tensors_dict(*loaded, *request);
         },
         py::arg("path"), py::arg("tp") = 1, py::arg("tp_rank") = 0);
   // The CLI's answer (src/cli/verify.cpp): verified when the checkpoint is checksummed and every row
@@ -424,6 +429,30 @@ void bind_io(py::module_& m) {
     }
     return inspect_dict(*reader);
   });
+  // The library's adopt (src/storage/adopt.cpp), as `shardckpt adopt` calls it: the records come as
+  // the JSON text the CLI reads (parse_records checks it), the common values as a dict.
+  m.def("adopt",
+        [](const Path& source, const Path& out, const std::string& records, const py::dict& common) {
+          const std::vector<ParamRecord> parsed = parse_records(records);
+          Values values;
+          for (const auto& [k, v] : common) {
+            std::string key = utf8_text(k, "key");
+            CommonValue value = common_value(v, key);
+            values.emplace(std::move(key), std::move(value));
+          }
+          AdoptReport r;
+          {
+            py::gil_scoped_release nogil;
+            r = adopt(source, out, parsed, values);
+          }
+          py::dict d;
+          d["tensors"] = r.tensors;
+          d["params"] = r.params;
+          d["fused"] = r.fused;
+          d["bytes"] = r.bytes;
+          return d;
+        },
+        py::arg("source"), py::arg("out"), py::arg("records"), py::arg("common"));
   bind_saver(m);
   py::module_::import("atexit").attr("register")(py::cpp_function(&close_savers));
 }

@@ -49,6 +49,22 @@ py::str decoded(std::string_view text, const char* errors) {
 
 py::str message_text(std::string_view text) { return decoded(text, "backslashreplace"); }
 
+std::string python_wording(std::string text) {
+  // What a library message says in C++ terms, where a Python caller can meet it, and the words of
+  // the Python API for it.
+  static constexpr std::pair<std::string_view, std::string_view> python_words[] = {
+      {"a Saver with that device's CopyEngine", "a Saver made for that device (Saver(cuda_device=N))"},
+      {"a Saver with a CopyEngine (its pool of pinned buffers)", "a Saver made for that device (Saver(cuda_device=N))"},
+      {"give the Saver an MPI or thread group", "call Saver.save(), or give the Saver a TorchGroup over gloo"},
+      {"AsyncSave::wait_staged()", "AsyncSave.wait_staged()"},
+      {"SaverOptions::check_unchanged", "Saver(check_unchanged=True)"},
+  };
+  for (const auto& [cpp, python] : python_words)
+    for (std::size_t at = text.find(cpp); at != std::string::npos; at = text.find(cpp, at + python.size()))
+      text.replace(at, cpp.size(), python);
+  return text;
+}
+
 py::str value_text(std::string_view text) { return decoded(text, "surrogateescape"); }
 
 std::string utf8_text(py::handle text, std::string_view what) {
@@ -99,10 +115,12 @@ py::dict python_values(const Values& values) {
 
 namespace {
 
-// A parameter and the Python object its shard came from (handed back by .shard).
+// A parameter, the Python object its shard came from (handed back by .shard) and the dtype its
+// maker declared (dtype=), which every shard it is given must have.
 struct Param {
   ShardedParam param;
   py::object shard = py::none();
+  std::optional<DType> declared;
 };
 
 struct TensorEntry {
@@ -134,25 +152,66 @@ DType dtype_arg(py::handle dtype) {
   }
 }
 
+// (rows, trailing...) of a TP rank's weight, and of the weight without TP (its record's blocks one
+// after another, the record's global trailing dims).
+std::vector<std::int64_t> local_shape_of(const ParamSpec& s) {
+  std::vector<std::int64_t> out{s.rows()};
+  out.insert(out.end(), s.trailing.begin(), s.trailing.end());
+  return out;
+}
+
+std::vector<std::int64_t> global_shape_of(const ParamSpec& s) {
+  const ParamRecord r = record_of(s);
+  std::vector<std::int64_t> out{0};
+  for (const Section& b : r.blocks) out[0] = checked_add(out[0], b.rows, cat(s.key, ": global rows"), Errc::layout);
+  out.insert(out.end(), r.trailing.begin(), r.trailing.end());
+  return out;
+}
+
 void set_shard(Param& p, py::object tensor) {
   if (tensor.is_none()) {
     p.param.shard = {};
     p.shard = py::none();
     return;
   }
-  const std::string& key = p.param.spec.key;
+  const ParamSpec& spec = p.param.spec;
+  const std::string& key = spec.key;
   SharedBuffer buffer = buffer_from_dlpack(tensor, key);
   const Extents want = p.param.shard_shape();
-  if (buffer.shape() != want)
+  if (buffer.shape() != want) {
+    // The likely slip of a row-parallel weight: trailing given as the global width.
+    const bool cols = spec.tp_axis == TpAxis::cols && !p.param.flat && buffer.shape().rank() >= 2 &&
+                      want.rank() >= 2 && buffer.shape().dims()[1] != want.dims()[1];
     throw py::value_error(cat(key, ": a shard of shape ", dims_text(buffer.shape().dims()), ", not the ",
                               p.param.flat ? "flat range's " : "padded shard's ", dims_text(want.dims()),
-                              " (ShardedParam.padded_shape())"));
+                              " (ShardedParam.padded_shape())",
+                              cols ? cat("; for tp_axis=\"cols\" trailing[0] is this TP rank's columns, the global "
+                                         "weight's dim 1 / tp (this spec's trailing ", dims_text(spec.trailing),
+                                         " at TP ", spec.tp, " makes a global weight of shape ",
+                                         dims_text(global_shape_of(spec)), ": ParamSpec.global_shape())")
+                                   : std::string()));
+  }
+  if (p.declared && buffer.dtype() != *p.declared)
+    throw py::type_error(cat(key, ": a shard of dtype ", dtype_name(buffer.dtype()), ", but the parameter is declared ",
+                             dtype_name(*p.declared), " (dtype=): convert the tensor, or declare its dtype"));
   p.param.dtype = buffer.dtype();
   p.param.shard = TensorRef(std::move(buffer));
   p.shard = std::move(tensor);
 }
 
 py::tuple shape_tuple(const Extents& e) { return py::tuple(py::cast(e.to_vector())); }
+
+constexpr const char* kParamSpecDoc =
+    "One parameter as a TP rank holds it before GTP. Every size is this TP rank's: `sections` are its rows of "
+    "each block, in row order (gdp_in_proj_sections(dims, tp) and its siblings; plain_sections(rows) for a plain "
+    "weight), `trailing` the dims after dim 0 of its weight. For tp_axis=\"rows\" (column-parallel and fused "
+    "weights) TP splits dim 0 block by block and `trailing` is the global one; for \"cols\" (a row-parallel "
+    "weight such as out_proj, one section) TP splits dim 1: the sections hold all the rows and trailing[0] is this "
+    "rank's columns, the global dim 1 / tp (a global weight of shape (256, 1024) at TP 4 is plain_sections(256), "
+    "[256]); for \"replicated\" (a norm weight, every rank holds all of it) rows and trailing are the global ones. "
+    "local_shape() and global_shape() say what they make; global_shape=(...) (keyword) checks it at construction. "
+    "`divisors`: the global sizes TP must divide (ssm_divisors(dims) for a fused layout), recorded in the checkpoint "
+    "so that a load at a TP they do not divide is refused.";
 
 void bind_specs(py::module_& m) {
   py::class_<SsmDims>(m, "SsmDims", "Global model sizes the fused layouts are computed from.")
@@ -184,25 +243,86 @@ void bind_specs(py::module_& m) {
       .def("__eq__", [](const TpDivisor& a, const TpDivisor& b) { return a == b; })
       .def("__repr__", [](const TpDivisor& d) { return cat("TpDivisor('", d.name, "', ", d.count, ")"); });
   m.def("ssm_divisors", &ssm_divisors, py::arg("dims"), "What a fused GDP or Mamba weight must be given: heads, groups.");
-  py::class_<ParamSpec>(m, "ParamSpec", "One parameter as a TP rank holds it before GTP.")
+  py::class_<ParamSpec>(m, "ParamSpec", kParamSpecDoc)
       .def(py::init([](const py::str& key, std::vector<Section> sections, std::vector<std::int64_t> trailing,
-                       const std::string& tp_axis, std::int64_t tp, std::vector<TpDivisor> divisors) {
+                       const std::string& tp_axis, std::int64_t tp, std::vector<TpDivisor> divisors,
+                       std::optional<std::vector<std::int64_t>> global_shape) {
              ParamSpec s{utf8_text(key, "key"), std::move(sections), std::move(trailing), parse_tp_axis(tp_axis), tp,
                          std::move(divisors)};
              validate(s);
+             if (global_shape && *global_shape != global_shape_of(s))
+               throw py::value_error(cat(s.key, ": sections and trailing ", dims_text(s.trailing), " at TP ", s.tp,
+                                         " (tp_axis=\"", tp_axis_name(s.tp_axis), "\") make a global weight of shape ",
+                                         dims_text(global_shape_of(s)), ", not the global_shape ",
+                                         dims_text(*global_shape), ": sections and trailing are what one TP rank holds",
+                                         s.tp_axis == TpAxis::cols ? " (for cols, trailing[0] is the global dim 1 / tp)"
+                                                                   : ""));
              return s;
            }),
            py::arg("key"), py::arg("sections"), py::arg("trailing"), py::arg("tp_axis") = "rows", py::arg("tp") = 1,
-           py::arg("divisors") = std::vector<TpDivisor>{},
-           "`divisors`: the global sizes TP must divide (ssm_divisors(dims) for a fused layout), recorded in the "
-           "checkpoint so that a load at a TP they do not divide is refused")
+           py::arg("divisors") = std::vector<TpDivisor>{}, py::kw_only(), py::arg("global_shape") = py::none())
       .def_readonly("key", &ParamSpec::key)
       .def_readonly("sections", &ParamSpec::sections)
       .def_readonly("trailing", &ParamSpec::trailing)
       .def_property_readonly("tp_axis", [](const ParamSpec& s) { return std::string(tp_axis_name(s.tp_axis)); })
       .def_readonly("tp", &ParamSpec::tp)
       .def_readonly("divisors", &ParamSpec::divisors)
-      .def("rows", &ParamSpec::rows, "TP-local rows, all sections together.");
+      .def("rows", &ParamSpec::rows, "TP-local rows, all sections together.")
+      .def("local_shape", [](const ParamSpec& s) { return py::tuple(py::cast(local_shape_of(s))); },
+           "The weight as one TP rank holds it before GTP: (rows(), *trailing).")
+      .def("global_shape", [](const ParamSpec& s) { return py::tuple(py::cast(global_shape_of(s))); },
+           "The weight of a run without TP (TP=1): its blocks one after another at their global rows, and the "
+           "global dims after dim 0. What shardckpt.read(path) gives back for this key.")
+      .def("record",
+           [](const ParamSpec& s) -> py::object {
+             const py::list records = py::module_::import("json").attr("loads")(records_json({record_of(s)}));
+             return records[0];
+           },
+           "The parameter's record, as a checkpoint holds it and shardckpt.adopt (and `shardckpt adopt "
+           "--model-config`) takes it: a dict of key, tp_axis, blocks (name and global rows, in row order), the "
+           "global trailing dims and the divisors.")
+      .def("__repr__", [](const ParamSpec& s) {
+        return cat("ParamSpec(", std::string(py::repr(value_text(s.key))), ", ", s.sections.size(),
+                   " sections, trailing ", dims_text(s.trailing), ", tp_axis=\"", tp_axis_name(s.tp_axis), "\", tp=",
+                   s.tp, "; local shape ", dims_text(local_shape_of(s)), ", global shape ",
+                   dims_text(global_shape_of(s)), ")");
+      });
+}
+
+constexpr const char* kSourceRowsDoc =
+    "Where the real rows of this rank's padded shard come from, as the library's plan says: a list of "
+    "(shard_begin, shard_end, row_begin, row_end, cols), one per run of rows, in shard row order: shard rows "
+    "[shard_begin, shard_end) are rows [row_begin, row_end) of the weight without TP (TP=1: the blocks one after "
+    "another at their global rows; with tp_local=True, of this TP rank's weight), and `cols` is the (begin, end) "
+    "of its dim 1 they hold (this TP rank's columns of a tp_axis=\"cols\" weight), or None for all of it. Rows "
+    "past the last run are pad rows. shard_of() cuts a shard by it.";
+
+// The runs of source_rows: from the plan of this rank's pieces (plan_rank), each piece's rows of its
+// block placed in the TP=1 weight, where block j starts after the global rows of the blocks before it.
+py::list source_rows(const Param& p, bool tp_local) {
+  const ShardedParam& param = p.param;
+  const RankPlan plan = plan_rank(param.spec, param.gtp, param.align, param.coord);
+  const std::vector<std::int64_t> local = local_shape_of(param.spec);
+  // A TP rank holds all of dim 1 of its weight, and of the weight without TP unless TP splits it.
+  const py::object all_cols = local.size() < 2 ? py::object(py::none()) : py::object(py::make_tuple(0, local[1]));
+  py::list out;
+  if (tp_local) {
+    const Range real = plan.geometry.real_rows(param.coord.gtp_rank);
+    if (!real.empty()) out.append(py::make_tuple(0, real.size(), real.begin, real.end, all_cols));
+    return out;
+  }
+  std::vector<std::int64_t> starts{0};
+  for (const Block& b : blocks(param.spec))
+    starts.push_back(checked_add(starts.back(), b.global_shape[0], cat(param.spec.key, ": global rows"), Errc::layout));
+  for (const Piece& piece : plan.pieces) {
+    const std::int64_t row = starts[piece.block] + piece.global_offset[0];
+    const py::object cols =
+        param.spec.tp_axis == TpAxis::cols
+            ? py::object(py::make_tuple(piece.global_offset[1], piece.global_offset[1] + piece.count[1]))
+            : all_cols;
+    out.append(py::make_tuple(piece.shard_row, piece.shard_row + piece.rows, row, row + piece.rows, cols));
+  }
+  return out;
 }
 
 void bind_param(py::module_& m) {
@@ -218,12 +338,9 @@ void bind_param(py::module_& m) {
              p.param.replica_id = replica_id;
              p.param.replicas = replicas;
              if (flat) p.param.flat = Range{flat->first, flat->second};
-             if (!dtype.is_none()) p.param.dtype = dtype_arg(dtype);
+             if (!dtype.is_none()) p.param.dtype = *(p.declared = dtype_arg(dtype));
              (void)p.param.geometry();  // the geometry's errors now, not at the save
              set_shard(p, std::move(shard));
-             if (!dtype.is_none() && p.param.dtype != dtype_arg(dtype))
-               throw py::type_error(cat(spec.key, ": a ", dtype_name(p.param.dtype), " shard, not ",
-                                        dtype_name(dtype_arg(dtype))));
              return p;
            }),
            py::arg("spec"), py::arg("gtp"), py::arg("align"), py::arg("tp_rank"), py::arg("gtp_rank"),
@@ -240,10 +357,17 @@ void bind_param(py::module_& m) {
       .def("padded_shape", [](const Param& p) { return shape_tuple(p.param.padded_shape()); })
       .def("shard_shape", [](const Param& p) { return shape_tuple(p.param.shard_shape()); })
       .def("real_rows", [](const Param& p) { return p.param.geometry().real_count(p.param.coord.gtp_rank); })
+      .def_property_readonly("flat",
+                             [](const Param& p) -> py::object {
+                               if (!p.param.flat) return py::none();
+                               return py::make_tuple(p.param.flat->begin, p.param.flat->end);
+                             })
+      .def("source_rows", &source_rows, py::arg("tp_local") = false, kSourceRowsDoc)
       .def("optimizer_state",
            [](const Param& p, const std::string& name, py::object shard, py::object dtype) {
              Param s;
-             s.param = optimizer_state(p.param, name, dtype.is_none() ? DType::f32 : dtype_arg(dtype));
+             if (!dtype.is_none()) s.declared = dtype_arg(dtype);
+             s.param = optimizer_state(p.param, name, s.declared.value_or(DType::f32));
              set_shard(s, std::move(shard));
              return s;
            },
@@ -270,7 +394,9 @@ void bind_tensor_entry(py::module_& m) {
                   [](const py::str& key, py::object dtype, std::vector<std::int64_t> shape,
                      std::vector<std::int64_t> global_shape, std::vector<std::int64_t> global_offset) {
                     TensorEntry t;
-                    t.tensor = ShardedTensor::expect(utf8_text(key, "key"), dtype_arg(dtype), Extents(std::span(shape)),
+                    // shape [] (a scalar's, with global_shape []) is Extents{}, which expect makes [1].
+                    const Extents extents = shape.empty() ? Extents() : Extents(std::span(shape));
+                    t.tensor = ShardedTensor::expect(utf8_text(key, "key"), dtype_arg(dtype), extents,
                                                      std::move(global_shape), std::move(global_offset));
                     return t;
                   },
@@ -385,11 +511,13 @@ PYBIND11_MODULE(_core, m) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const shardckpt::Error& e) {
-      py::object exc = py::reinterpret_borrow<py::object>(error)(sp::message_text(e.message()));
+      const std::string text = sp::python_wording(std::string(e.message()));
+      py::object exc = py::reinterpret_borrow<py::object>(error)(sp::message_text(text));
       exc.attr("code") = std::string(shardckpt::errc_name(e.code()));
       PyErr_SetObject(error.ptr(), exc.ptr());
     }
   });
+  m.def("_python_wording", &sp::python_wording, "The words of a library message as a Python caller reads them.");
   sp::bind_tensor(m);
   sp::bind_layout(m);
   sp::bind_state(m);

@@ -250,6 +250,8 @@ class Api(unittest.TestCase):
             handle.wait()
         self.assertEqual(e.exception.code, "shard_changed")
         self.assertIn("key big: 2 of rows [3, 5)", str(e.exception))
+        self.assertIn("wait_staged() returns (the check_unchanged option)", str(e.exception))
+        self.assertNotIn("::", str(e.exception))  # the Python API's words, not the C++ API's
         self.assertFalse(os.path.exists(self.path))
 
     def test_saves_release_the_gil(self):

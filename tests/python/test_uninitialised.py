@@ -25,6 +25,7 @@ ARGS = {
     ("Saver", "save"): lambda: (sc.StateDict(), path),
     ("Saver", "save_async"): lambda: (sc.StateDict(), path),
     ("ShardedParam", "optimizer_state"): lambda: ("exp_avg",),
+    ("ShardedParam", "shard_of"): lambda: (torch.zeros(4, 8),),
     ("StateDict", "add"): lambda: (param(),),
     ("StateDict", "add_common"): lambda: ("step", 1),
     ("StateDict", "add_local"): lambda: ("step", 1),
