@@ -111,11 +111,13 @@ SharedBuffer buffer_of(DLManagedTensor* managed, std::string_view key) {
   DType dtype{};
   try {
     const DLTensor& t = managed->dl_tensor;
-    if (t.ndim < 1 || t.ndim > max_rank)
-      throw py::value_error(cat(key, ": a tensor of ", t.ndim, " dims (shardckpt stores 1 to ", max_rank, ")"));
+    if (t.ndim < 0 || t.ndim > max_rank)
+      throw py::value_error(cat(key, ": a tensor of ", t.ndim, " dims (shardckpt stores 0 to ", max_rank, ")"));
     if (!contiguous(t)) throw py::value_error(cat(key, ": a non-contiguous tensor (call .contiguous() first)"));
     dtype = dtype_of(t.dtype, key);
-    shape = Extents(std::span<const std::int64_t>(t.shape, static_cast<std::size_t>(t.ndim)));
+    // A 0-d tensor is its one element, which a view holds as shape [1].
+    shape = t.ndim == 0 ? Extents{1}
+                        : Extents(std::span<const std::int64_t>(t.shape, static_cast<std::size_t>(t.ndim)));
     const MemorySpace space = space_of(t.device, key);
     const auto bytes = static_cast<std::size_t>(shape.elements()) * dtype_size(dtype);
     if (t.data == nullptr && bytes > 0)
@@ -148,10 +150,10 @@ DLDevice device_of(MemorySpace space) {
   return {kDLCPU, 0};
 }
 
-py::capsule capsule_of(const SharedBuffer& buffer) {
+py::capsule capsule_of(const SharedBuffer& buffer, bool scalar) {
   auto exported = std::make_unique<Exported>();
   exported->buffer = buffer;
-  exported->shape = buffer.shape().to_vector();
+  if (!scalar) exported->shape = buffer.shape().to_vector();  // a scalar: 0 dims, its one element
   DLTensor& t = exported->managed.dl_tensor;
   // Read-only is not DLPack 0.6's to say: a consumer may write, which a buffer this process owns allows.
   SharedBuffer& owner = exported->buffer;
@@ -159,7 +161,7 @@ py::capsule capsule_of(const SharedBuffer& buffer) {
   t.device = device_of(buffer.space());
   t.ndim = static_cast<std::int32_t>(exported->shape.size());
   t.dtype = code_of(buffer.dtype());
-  t.shape = exported->shape.data();
+  t.shape = exported->shape.empty() ? nullptr : exported->shape.data();
   t.strides = nullptr;
   t.byte_offset = 0;
   exported->managed.manager_ctx = exported.get();
@@ -167,10 +169,23 @@ py::capsule capsule_of(const SharedBuffer& buffer) {
   return dlpack_capsule(&exported.release()->managed);
 }
 
-// The Python face of a library-owned buffer.
+// The Python face of a library-owned buffer; a scalar's buffer holds its one element as shape [1].
 struct LibraryTensor {
   SharedBuffer buffer;
+  bool scalar = false;
+
+  std::vector<std::int64_t> shape() const {
+    return scalar ? std::vector<std::int64_t>{} : buffer.shape().to_vector();
+  }
 };
+
+// A torch DTensor (torch.distributed.tensor): its type's name, or what it answers to. Its
+// __dlpack__, where it has one, is not the local shard's.
+bool is_dtensor(py::handle tensor) {
+  const std::string type = py::str(py::type::of(tensor).attr("__name__"));
+  return type == "DTensor" ||
+         (py::hasattr(tensor, "to_local") && py::hasattr(tensor, "placements") && py::hasattr(tensor, "device_mesh"));
+}
 
 }  // namespace
 }  // namespace shardckpt::python
@@ -181,6 +196,9 @@ namespace shardckpt::python {
 
 SharedBuffer buffer_from_dlpack(py::handle tensor, std::string_view key) {
   if (PyCapsule_CheckExact(tensor.ptr())) return buffer_of(take_capsule(tensor, key), key);
+  if (is_dtensor(tensor))
+    throw py::type_error(cat("key ", key, ": a DTensor: pass its local shard (t.to_local()) as a ShardedTensor at its "
+                             "global offset, or save the state dict with shardckpt.save_state_dict"));
   if (!py::hasattr(tensor, "__dlpack__"))
     throw py::type_error(cat(key, ": a ", std::string(py::str(py::type::of(tensor).attr("__name__"))),
                              ", not a tensor with __dlpack__ (torch, numpy, JAX, CuPy)"));
@@ -204,18 +222,20 @@ py::capsule dlpack_capsule(DLManagedTensor* managed) {
   return py::reinterpret_steal<py::capsule>(capsule);
 }
 
-py::object tensor_object(SharedBuffer buffer) { return py::cast(LibraryTensor{std::move(buffer)}); }
+py::object tensor_object(SharedBuffer buffer, bool scalar) {
+  return py::cast(LibraryTensor{std::move(buffer), scalar});
+}
 
 void bind_tensor(py::module_& m) {
   py::class_<LibraryTensor>(m, "Tensor", "A tensor shardckpt allocated; torch.from_dlpack takes it without a copy.")
-      .def("__dlpack__", [](const LibraryTensor& t, py::object /*stream*/) { return capsule_of(t.buffer); },
+      .def("__dlpack__", [](const LibraryTensor& t, py::object /*stream*/) { return capsule_of(t.buffer, t.scalar); },
            py::arg("stream") = py::none())
       .def("__dlpack_device__",
            [](const LibraryTensor& t) {
              const DLDevice d = device_of(t.buffer.space());
              return py::make_tuple(static_cast<int>(d.device_type), d.device_id);
            })
-      .def_property_readonly("shape", [](const LibraryTensor& t) { return py::tuple(py::cast(t.buffer.shape().to_vector())); })
+      .def_property_readonly("shape", [](const LibraryTensor& t) { return py::tuple(py::cast(t.shape())); })
       .def_property_readonly("dtype", [](const LibraryTensor& t) { return std::string(dtype_name(t.buffer.dtype())); });
 }
 
