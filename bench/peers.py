@@ -6,11 +6,15 @@ and safetensors"), in one run on one machine, on the same sharded state:
     shardckpt, in the same 8 gloo processes holding the bench model's GTP shards at TP 2 x GTP 4
     (alignment 32) as torch tensors: save, load in place, reshard at TP 1 x GTP 8 (alignment 16),
     and the blocking time of an async save;
-  - safetensors and shardckpt in one process, on the same tensors consolidated at TP 1 x GTP 1.
+  - safetensors and shardckpt in one process, on the same tensors consolidated at TP 1 x GTP 1;
+  - DCP's own storage (FileSystemWriter / FileSystemReader) against shardckpt's (shardckpt.dcp
+    Writer / Reader) under the same dcp.save / dcp.load, in a gloo job of 4 processes holding a
+    mixed training state of DTensors (bf16 weights, f32 norms, Adam's state): bench/peers/storage.py.
 
 Run it with the Python of the peers' environment (scripts/setup.sh --peers):
 
     build/peers-venv/bin/python bench/peers.py [--size-mib 1024] [--repeat 7] [--json]
+    build/peers-venv/bin/python bench/peers.py --only storage [--storage-mib 1024] [--storage-ranks 4]
 
 The exit code is 0 whatever the figures, 1 if a loaded value differs from what was saved, 2 on an
 error.
@@ -28,7 +32,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MiB = 1 << 20
 # What a run writes into its directory (and removes without --keep).
 OUTPUTS = ("job.json", "single.json", "dcp-save", "dcp-async", "shardckpt-save.h5", "shardckpt-async.h5",
-           "model.safetensors", "whole.h5")
+           "model.safetensors", "whole.h5", "storage.json", "storage-fs.json", "storage-shardckpt.json",
+           "storage-fs", "storage-shardckpt.h5")
 
 
 def arguments(argv):
@@ -41,11 +46,19 @@ def arguments(argv):
     a.add_argument("--keep", action="store_true", help="keep the checkpoints")
     a.add_argument("--warm-cache", action="store_true",
                    help="keep the page cache (for profiling: what each side costs beside the disk)")
-    a.add_argument("--part", choices=("job", "single"), help=argparse.SUPPRESS)  # internal: one process's side
+    a.add_argument("--only", choices=("peers", "storage"),
+                   help="peers: DCP and safetensors against shardckpt only; storage: DCP's FileSystem storage\n"
+                        "against shardckpt.dcp's Writer/Reader only (default: both)")
+    a.add_argument("--storage-mib", type=int, default=1024, help="the storage phase's state (default 1024: 1 GiB)")
+    a.add_argument("--storage-ranks", type=int, default=4, help="the storage phase's gloo processes (default 4)")
+    a.add_argument("--part", choices=("job", "single", "storage"), help=argparse.SUPPRESS)  # internal: one side
+    a.add_argument("--sides", default="fs,shardckpt", help=argparse.SUPPRESS)  # internal: the storage part's
     a.add_argument("--out", help=argparse.SUPPRESS)
     o = a.parse_args(argv)
     if not 1 <= o.size_mib <= 1 << 20 or not 1 <= o.repeat <= 100 or not 1 <= o.read_repeat <= 100:
         a.error("--size-mib is 1 to 1048576, --repeat and --read-repeat 1 to 100")
+    if not 1 <= o.storage_mib <= 1 << 20 or not 1 <= o.storage_ranks <= 64:
+        a.error("--storage-mib is 1 to 1048576, --storage-ranks 1 to 64")
     return o
 
 
@@ -55,9 +68,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def part_command(o, part, out):
+def part_command(o, part, out, sides="fs,shardckpt", rounds=None):
     return [sys.executable, os.path.abspath(__file__), "--part", part, "--out", out, "--dir", o.dir,
-            "--size-mib", str(o.size_mib), "--repeat", str(o.repeat), "--read-repeat", str(o.read_repeat)]
+            "--size-mib", str(o.size_mib), "--repeat", str(rounds or o.repeat),
+            "--read-repeat", str(rounds or o.read_repeat), "--storage-mib", str(o.storage_mib), "--sides", sides]
 
 
 def environment(**more):
@@ -65,10 +79,10 @@ def environment(**more):
     return dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(MiB), **more)
 
 
-def run_job(o, out, world=8):
+def run_job(o, out, world=8, part="job", **more):
     """The gloo job, as torchrun starts one; every process stopped as soon as one fails."""
     port = free_port()
-    procs = [subprocess.Popen(part_command(o, "job", out), env=environment(
+    procs = [subprocess.Popen(part_command(o, part, out, **more), env=environment(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(world))) for r in range(world)]
     while any(p.poll() is None for p in procs):
         if any(p.returncode not in (None, 0) for p in procs):
@@ -116,37 +130,67 @@ def h5py_reads(path, config):
     return len(names), torch.equal(torch.from_numpy(raw.view(np.int16)), want.view(torch.int16))
 
 
-def report_of(o, job, one):
-    from peers import model, report, system
+def run_storage(o):
+    """The storage phase: both storages in interleaved rounds, then each alone in a job of its own
+    (one save and one load: the high-water mark of a process that ran only that storage)."""
+    out = {}
+    for sides, rounds in (("fs,shardckpt", None), ("fs", 1), ("shardckpt", 1)):
+        name = "storage" if rounds is None else f"storage-{sides}"
+        path = os.path.join(o.dir, name + ".json")
+        run_job(o, path, world=o.storage_ranks, part="storage", sides=sides, rounds=rounds)
+        with open(path) as f:
+            out[name] = json.load(f)
+    return out
+
+
+def report_of(o, job, one, storage):
+    from peers import report, system
+    r = report.Report()
+    r.set("repeat", o.repeat)
+    r.set("read_repeat", o.read_repeat)
+    r.set("cache", system.cache_method())
+    r.set("versions", versions())
+    mismatches = []
+    if job is not None:
+        peers_report(o, r, job, one)
+        mismatches += job["mismatches"] + one["mismatches"]
+    if storage is not None:
+        report.storage(r, storage)
+        mismatches += [m for s in storage.values() for m in s["mismatches"]]
+    r.add("mismatches", len(mismatches), note="every load checked")
+    r.set("first_mismatches", mismatches[:5])
+    return r, bool(mismatches)
+
+
+def peers_report(o, r, job, one):
+    from peers import model, report
     config = model.bench_config(o.size_mib * MiB)
     nbytes = model.model_bytes(config)
-    r = report.Report()
     r.set("bytes", nbytes)
     r.set("model", {"gdp_layers": config.gdp_layers, "mamba_layers": config.mamba_layers, "cols": config.cols,
                     **model.DIMS, "dtype": "bf16", "tensors": len(model.specs(config, 1))})
     r.set("layouts", {"save": "TP 2 x GTP 4, alignment 32, 8 gloo processes",
                       "reshard": "TP 1 x GTP 8, alignment 16", "single": "TP 1 x GTP 1, one process"})
-    r.set("repeat", o.repeat)
-    r.set("read_repeat", o.read_repeat)
-    r.set("cache", system.cache_method())
     r.set("peak_memory_method", job["peak_method"])
-    r.set("versions", versions())
     r.set("dcp_sharded_tensor", "ShardedTensor._init_from_local_shards_and_global_metadata")
     report.distributed(r, job, nbytes)
     report.single(r, one, nbytes)
     datasets, equal = h5py_reads(os.path.join(o.dir, "shardckpt-save.h5"), config)
     r.add("shardckpt_h5py_datasets", datasets, target="h5py reads the checkpoint", met=datasets > 0 and equal)
-    mismatches = job["mismatches"] + one["mismatches"]
-    r.add("mismatches", len(mismatches), note="every load checked")
-    r.set("first_mismatches", mismatches[:5])
-    return r, config, bool(mismatches)
 
 
-def describe(o, config):
-    from peers import model
-    print(f"bench/peers.py: {model.model_bytes(config) / MiB:.1f} MiB ({config.gdp_layers} GDP + "
-          f"{config.mamba_layers} Mamba layers, bf16), {o.repeat} write and {o.read_repeat} read rounds, "
-          f"directory {o.dir}", file=sys.stderr)
+def describe(o):
+    from peers import model, storage
+    if o.only != "storage":
+        config = model.bench_config(o.size_mib * MiB)
+        print(f"bench/peers.py: {model.model_bytes(config) / MiB:.1f} MiB ({config.gdp_layers} GDP + "
+              f"{config.mamba_layers} Mamba layers, bf16), {o.repeat} write and {o.read_repeat} read rounds, "
+              f"directory {o.dir}", file=sys.stderr)
+    if o.only != "peers":
+        shape = storage.shape_for(o.storage_mib * MiB)
+        print(f"bench/peers.py: storage phase: {storage.state_bytes(shape) / MiB:.1f} MiB ({shape[0]} layers of "
+              f"hidden {shape[1]}, weights bf16, Adam f32) on {o.storage_ranks} gloo processes, {o.repeat} write and "
+              f"{o.read_repeat} read rounds", file=sys.stderr)
 
 
 def main(argv):
@@ -154,22 +198,30 @@ def main(argv):
     sys.path.insert(0, HERE)
     if o.warm_cache:
         os.environ["PEERS_WARM_CACHE"] = "1"  # the parts inherit it
+    if o.part == "storage":
+        from peers import storage
+        storage.main(o.storage_mib * MiB, o.dir, o.repeat, o.read_repeat, o.out, o.sides.split(","))
+        return 0
     if o.part:
         from peers import jobs, single
         (jobs if o.part == "job" else single).main(o.size_mib * MiB, o.dir, o.repeat, o.read_repeat, o.out)
         return 0
-    from peers import model
     made = o.dir is None
     o.dir = o.dir or tempfile.mkdtemp(prefix="shardckpt-peers-")
     os.makedirs(o.dir, exist_ok=True)
-    if not o.json:
-        describe(o, model.bench_config(o.size_mib * MiB))
     job_out, single_out = os.path.join(o.dir, "job.json"), os.path.join(o.dir, "single.json")
     try:
-        run_job(o, job_out)
-        run_single(o, single_out)
-        with open(job_out) as f, open(single_out) as g:
-            r, config, mismatched = report_of(o, json.load(f), json.load(g))
+        if not o.json:
+            describe(o)
+        job = one = storage = None
+        if o.only != "storage":
+            run_job(o, job_out)
+            run_single(o, single_out)
+            with open(job_out) as f, open(single_out) as g:
+                job, one = json.load(f), json.load(g)
+        if o.only != "peers":
+            storage = run_storage(o)
+        r, mismatched = report_of(o, job, one, storage)
     finally:
         if not o.keep:
             clean(o.dir, made)

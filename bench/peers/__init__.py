@@ -5,5 +5,7 @@
   shardckpt_side.py  shardckpt through its Python package and TorchGroup: the same four
   jobs.py            the gloo job of 8 processes: the rounds of every distributed phase
   single.py          one process: safetensors against shardckpt's save and read, consolidated
+  storage.py         DCP's FileSystemWriter/Reader against shardckpt.dcp's Writer/Reader: a gloo job of
+                     DTensors (bf16 weights, Adam's f32 state) under the same dcp.save and dcp.load
   report.py          the figures, their ratios and spread, the table and --json
 """

@@ -128,3 +128,27 @@ def single(report, one, nbytes):
     add_memory(report, ph, "safetensors_load", "shardckpt_read", "safetensors_load", target=False)
     for side in ("safetensors", "shardckpt"):
         report.add(f"{side}_single_bytes_on_disk", one["disk"][side]["bytes"])
+
+
+def storage(report, runs):
+    """DCP's FileSystemWriter/Reader against shardckpt.dcp's Writer/Reader under dcp.save/dcp.load:
+    the interleaved rounds (times, per-phase peaks) and each storage alone (ru_maxrss)."""
+    both = runs["storage"]
+    ph, nbytes = both["phases"], both["bytes"]
+    report.set("storage_state", {"bytes": nbytes, "layers": both["layers"], "hidden": both["hidden"],
+                                 "ranks": both["ranks"],
+                                 "rank_bytes": both["local_bytes"], "peak_memory_method": both["peak_method"]})
+    report.rounds(ph)
+    for what in ("save", "load"):
+        for side in ("fs", "shardckpt"):
+            add_phase(report, ph, f"storage_{side}_{what}", nbytes, f"dcp_storage_{side}_{what}")
+        add_ratio(report, f"dcp_storage_{what}_ratio", seconds(ph, f"storage_fs_{what}"),
+                  seconds(ph, f"storage_shardckpt_{what}"), "FileSystem s / shardckpt.dcp s")
+    for side in ("fs", "shardckpt"):
+        alone = runs[f"storage-{side}"]
+        report.add(f"dcp_storage_{side}_maxrss_bytes", alone["maxrss"], note="per rank, ru_maxrss, this storage alone")
+        report.add(f"dcp_storage_{side}_maxrss_extra_bytes", alone["maxrss_extra"],
+                   note="per rank, ru_maxrss above RSS before its first phase")
+        report.set(f"dcp_storage_{side}_alone_rss_before", {"rss": alone["rss_before"], "hwm": alone["hwm_before"]})
+        report.add(f"dcp_storage_{side}_bytes_on_disk", both["disk"][side]["bytes"])
+        report.add(f"dcp_storage_{side}_files", both["disk"][side]["files"])
