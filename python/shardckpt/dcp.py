@@ -30,16 +30,14 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from . import _core
-from .state_dict import _stored, agree, default_group
+from .state_dict import TORCH_DTYPE_NAMES, _stored, agree, default_group
 
 __all__ = ["BYTES_KEY", "PLANNER_DATA_KEY", "Reader", "Writer"]
 
 BYTES_KEY = "dcp.bytes"
 PLANNER_DATA_KEY = "dcp.planner_data"
 
-_TORCH_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32, "f64": torch.float64,
-                 "i8": torch.int8, "i16": torch.int16, "i32": torch.int32, "i64": torch.int64, "u8": torch.uint8,
-                 "u16": torch.uint16, "u32": torch.uint32, "u64": torch.uint64}
+_TORCH_DTYPES = {name: getattr(torch, torch_name) for name, torch_name in TORCH_DTYPE_NAMES.items()}
 
 
 def _done(value):

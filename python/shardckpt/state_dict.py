@@ -28,6 +28,10 @@ _FORMAT = 1
 _STORED = {"bfloat16", "float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16",
            "uint32", "uint64"}
 _AS_BYTES = {"bool": "uint8"}
+# torch's name of each dtype the library reports (inspect's "dtype").
+TORCH_DTYPE_NAMES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64", "i8": "int8",
+                     "i16": "int16", "i32": "int32", "i64": "int64", "u8": "uint8", "u16": "uint16", "u32": "uint32",
+                     "u64": "uint64"}
 
 
 def _torch():
@@ -120,7 +124,12 @@ class _Tensors:
         return name
 
     def boxes(self, value, key):
-        """This rank's parts of tensor `value`: (local tensor, global offset, replica_id, replicas)."""
+        """This rank's parts of tensor `value` that hold elements (an uneven split leaves some ranks an
+        empty one): (local tensor, global offset, replica_id, replicas)."""
+        scalar = self.global_shape(value) == []
+        return [b for b in self._parts(value, key) if scalar or b[0].numel() > 0]
+
+    def _parts(self, value, key):
         kind = self.kind(value)
         if kind == "tensor":
             return [(value, [0] * value.dim(), self.rank, self.size)]
@@ -240,8 +249,6 @@ def save_state_dict(state_dict, path, group=None, **options):
         for key, value in found:
             shape = tensors.global_shape(value)
             for local, offset, replica_id, replicas in tensors.boxes(value, key):
-                if local.numel() == 0 and len(shape) > 0:
-                    continue  # an empty part of an uneven split holds nothing to write
                 state.add(_core.ShardedTensor(key, _stored(local), shape, offset, replica_id, replicas))
         for key, value in values.items():
             state.add_common(key, value)
@@ -287,32 +294,25 @@ class _Loads:
                              f"checkpoint's {tuple(info['global_shape'])}")
         self.tensors.dtype(target, key)
         for local, offset, _, _ in self.tensors.boxes(target, key):
-            if local.numel() == 0 and len(shape) > 0:
-                continue
             into = local.detach()
-            if into.dtype == torch.bool:
-                into = into.view(torch.uint8) if into.is_contiguous() else None
-            if into is None or not into.is_contiguous():
-                temp = torch.empty(local.shape, dtype=torch.uint8 if local.dtype == torch.bool else local.dtype,
-                                   device=local.device)
-                self.copy_back.append((local, temp))
-                into = temp
-            self.state.add(_core.ShardedTensor(key, into, shape, offset))
+            if not into.is_contiguous():  # filled through a contiguous copy, copied back by finish()
+                into = torch.empty(local.shape, dtype=local.dtype, device=local.device)
+                self.copy_back.append((local, into))
+            self.state.add(_core.ShardedTensor(key, into.view(torch.uint8) if into.dtype == torch.bool else into,
+                                               shape, offset))
 
     def new(self, key, node):
         """A tensor the checkpoint holds and the state dict does not: a new CPU tensor at its global shape."""
         torch = _torch()
         info = self.datasets[key]
-        dtype = node.get("dtype") or {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64",
-                                      "i8": "int8", "i16": "int16", "i32": "int32", "i64": "int64", "u8": "uint8",
-                                      "u16": "uint16", "u32": "uint32", "u64": "uint64"}[info["dtype"]]
+        dtype = node.get("dtype") or TORCH_DTYPE_NAMES[info["dtype"]]
         t = torch.empty(tuple(info["global_shape"]), dtype=getattr(torch, dtype))
         self.fill(key, t)
         return t
 
     def finish(self):
         for local, temp in self.copy_back:
-            local.detach().copy_(temp.view(local.dtype) if local.dtype != temp.dtype else temp)
+            local.detach().copy_(temp)
 
 
 def _restore(node, given, path, loads, common):
@@ -348,10 +348,9 @@ def _given_only(node, given, path, tensors):
     from collections.abc import Mapping
     missing = []
     if isinstance(given, Mapping):
-        have = {k for k, _ in node.get("dict", [])} if node else set()
         children = dict(node.get("dict", [])) if node else {}
         for k, v in given.items():
-            missing += _given_only(children.get(k) if k in have else None, v, path + (k,), tensors)
+            missing += _given_only(children.get(k), v, path + (k,), tensors)
     elif isinstance(given, (list, tuple)):
         items = (node or {}).get("list", (node or {}).get("tuple", []))
         for i, v in enumerate(given):
