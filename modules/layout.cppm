@@ -24,6 +24,7 @@ struct Range {
 
   constexpr std::int64_t size() const noexcept { return end > begin ? end - begin : 0; }
   constexpr bool empty() const noexcept { return end <= begin; }
+  constexpr bool contains(std::int64_t i) const noexcept { return begin <= i && i < end; }
   constexpr Range intersect(Range o) const noexcept { return {std::max(begin, o.begin), std::min(end, o.end)}; }
   friend constexpr bool operator==(Range, Range) = default;
 };
@@ -211,6 +212,24 @@ struct Box {
 // whole box, one row of one element.
 Box footprint(std::string_view key, std::span<const std::int64_t> global_shape, std::span<const std::int64_t> offset,
               std::span<const std::int64_t> count);
+// True when a slab splits a dim past dim 1 (footprint refuses it; slab_parts cuts it up).
+bool splits_past_dim1(std::span<const std::int64_t> global_shape, std::span<const std::int64_t> offset,
+                      std::span<const std::int64_t> count);
+// A run of a slab's elements that is contiguous both in the slab (C order) and in its dataset: its
+// box (one row of dim 0, a range of that row's elements), the slab row it lies in and the offset of
+// its first element among the slab's elements.
+struct SlabPart {
+  Box box;
+  std::int64_t slab_row = 0;
+  std::int64_t slab_offset = 0;
+};
+// The parts of a slab that splits a dim past dim 1 (a layer-stacked weight split by TP on its last
+// dim, say): one per row of dim 0 and index of each dim before the last split dim, in the slab's
+// element order. Throws Errc::invalid_argument naming `key` when the slab leaves the dataset, and
+// when it has more than `max_slab_parts` parts.
+inline constexpr std::int64_t max_slab_parts = std::int64_t{1} << 22;
+std::vector<SlabPart> slab_parts(std::string_view key, std::span<const std::int64_t> global_shape,
+                                 std::span<const std::int64_t> offset, std::span<const std::int64_t> count);
 // The box of a whole dataset of `shape`: its rows by its flattened trailing elements; for a scalar
 // (an empty shape) one row of one element. The one place that says how many rows a global shape has.
 Box whole_box(std::span<const std::int64_t> shape);

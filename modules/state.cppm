@@ -86,7 +86,8 @@ ShardedParam optimizer_state(const ShardedParam& param, std::string_view name, D
 
 class StateDict {
  public:
-  // Each key may appear once across all kinds; throws Errc::invalid_argument otherwise.
+  // Each key may appear once across all kinds, except that several ShardedTensor entries may name
+  // parts of one tensor (same global shape and dtype); throws Errc::invalid_argument otherwise.
   void add(ShardedTensor tensor);
   void add(ShardedParam param);
   void add_common(std::string key, CommonValue value);

@@ -265,20 +265,75 @@ RankPlan plan_rank(const ParamSpec& spec, std::int64_t gtp, std::int64_t align, 
   return plan;
 }
 
-Box footprint(std::string_view key, std::span<const std::int64_t> shape, std::span<const std::int64_t> offset,
-              std::span<const std::int64_t> count) {
+namespace {
+// Throws unless the slab lies inside its dataset (same rank, every dim in range).
+void require_inside(std::string_view key, std::span<const std::int64_t> shape, std::span<const std::int64_t> offset,
+                    std::span<const std::int64_t> count) {
   const std::size_t rank = shape.size();
   require(offset.size() == rank && count.size() == rank, Errc::invalid_argument, key,
           ": a slab whose offset/count do not match the dataset's rank ", rank);
   (void)element_count(shape, cat(key, ": elements of the global shape"));
-  if (rank == 0) return whole_box(shape);  // a scalar: its one element, one row of one
-  for (std::size_t d = 0; d < rank; ++d) {
+  for (std::size_t d = 0; d < rank; ++d)
     require(offset[d] >= 0 && count[d] >= 0 && offset[d] <= shape[d] && count[d] <= shape[d] - offset[d],
             Errc::invalid_argument, key, ": [", offset[d], ", ", offset[d] + count[d], ") of dim ", d,
             " is outside its size ", shape[d]);
-    require(d < 2 || (offset[d] == 0 && count[d] == shape[d]), Errc::invalid_argument, key, ": a slab splits dim ",
-            d, "; only dims 0 and 1 may be split");
+}
+}  // namespace
+
+bool splits_past_dim1(std::span<const std::int64_t> shape, std::span<const std::int64_t> offset,
+                      std::span<const std::int64_t> count) {
+  for (std::size_t d = 2; d < shape.size() && d < offset.size() && d < count.size(); ++d)
+    if (offset[d] != 0 || count[d] != shape[d]) return true;
+  return false;
+}
+
+std::vector<SlabPart> slab_parts(std::string_view key, std::span<const std::int64_t> shape,
+                                 std::span<const std::int64_t> offset, std::span<const std::int64_t> count) {
+  require_inside(key, shape, offset, count);
+  const std::size_t rank = shape.size();
+  std::vector<SlabPart> out;
+  if (rank == 0 || element_count(count, cat(key, ": elements of the slab")) == 0) return out;
+  std::size_t last = 0;  // the last split dim
+  for (std::size_t d = 0; d < rank; ++d)
+    if (offset[d] != 0 || count[d] != shape[d]) last = d;
+  require(last >= 2, Errc::internal, key, ": slab_parts of a slab that splits only dims 0 and 1 (its footprint is one box)");
+  // A part: one row of dim 0 by one index of each of dims 1..last-1, dims last.. as one run.
+  const std::int64_t inner = element_count(shape.subspan(last + 1));  // elements of one index of `last`
+  const std::int64_t run = count[last] * inner;
+  std::int64_t parts = count[0];
+  for (std::size_t d = 1; d < last; ++d) parts = checked_mul(parts, count[d], cat(key, ": parts of the slab"));
+  require(parts <= max_slab_parts, Errc::invalid_argument, key, ": a slab of ", parts,
+          " separate runs of elements (it splits dim ", last, " of ", dims_text(shape),
+          "); at most ", max_slab_parts, " are saved or loaded");
+  out.reserve(static_cast<std::size_t>(parts));
+  std::vector<std::int64_t> index(last > 0 ? last - 1 : 0, 0);  // of dims 1..last-1, within the slab
+  const std::int64_t per_row = parts / std::max<std::int64_t>(count[0], 1);
+  for (std::int64_t r = 0; r < count[0]; ++r) {
+    std::fill(index.begin(), index.end(), 0);
+    for (std::int64_t p = 0; p < per_row; ++p) {
+      // Where the run starts in the dataset's row: dims 1..last in C order.
+      std::int64_t at = 0;
+      for (std::size_t d = 1; d < last; ++d) at = at * shape[d] + offset[d] + index[d - 1];
+      if (last >= 1) at = at * shape[last] + offset[last];
+      at *= inner;
+      out.push_back({{{offset[0] + r, offset[0] + r + 1}, {at, at + run}}, r, (r * per_row + p) * run});
+      for (std::size_t d = last; d-- > 1;) {  // the next index of dims 1..last-1, last fastest
+        if (++index[d - 1] < count[d]) break;
+        index[d - 1] = 0;
+      }
+    }
   }
+  return out;
+}
+
+Box footprint(std::string_view key, std::span<const std::int64_t> shape, std::span<const std::int64_t> offset,
+              std::span<const std::int64_t> count) {
+  const std::size_t rank = shape.size();
+  require_inside(key, shape, offset, count);
+  if (rank == 0) return whole_box(shape);  // a scalar: its one element, one row of one
+  for (std::size_t d = 2; d < rank; ++d)
+    require(offset[d] == 0 && count[d] == shape[d], Errc::invalid_argument, key, ": a slab splits dim ", d,
+            "; only dims 0 and 1 may be split");
   Box box{{offset[0], offset[0] + count[0]}, {0, 1}};
   if (rank >= 2) {
     const std::int64_t inner = element_count(shape.subspan(2));

@@ -63,7 +63,7 @@ ShardedParam optimizer_state(const ShardedParam& param, std::string_view name, D
 
 void StateDict::claim_key(const std::string& key) {
   require_name(key, "a state dict key");
-  require(keys_.emplace(key, 0).second, Errc::invalid_argument, "key ", key, " appears twice in the state dict");
+  require(keys_.emplace(key, -1).second, Errc::invalid_argument, "key ", key, " appears twice in the state dict");
 }
 
 void StateDict::add(ShardedTensor tensor) {
@@ -78,7 +78,20 @@ void StateDict::add(ShardedTensor tensor) {
           Errc::invalid_argument, "tensor ", tensor.key, ": shard, global shape and offset must have the same rank");
   require(tensor.replicas >= 1 && tensor.replica_id >= 0 && tensor.replica_id < tensor.replicas, Errc::invalid_argument,
           "tensor ", tensor.key, ": replica ", tensor.replica_id, " of ", tensor.replicas);
-  claim_key(tensor.key);
+  // A key may name several parts of one tensor a rank holds (the layers of a layer-stacked weight):
+  // the same dataset, so the same global shape and dtype.
+  const auto it = keys_.find(tensor.key);
+  if (it != keys_.end() && it->second >= 0) {
+    const ShardedTensor& first = tensors_[static_cast<std::size_t>(it->second)];
+    require(!tensor.scalar() && first.global_shape == tensor.global_shape && first.dtype == tensor.dtype,
+            Errc::invalid_argument, "tensor ", tensor.key, ": another part of it on this rank is ",
+            dtype_name(first.dtype), " of global shape ", dims_text(first.global_shape), ", this one ",
+            dtype_name(tensor.dtype), " of global shape ", dims_text(tensor.global_shape),
+            " (the parts of one key are one dataset)");
+  } else {
+    claim_key(tensor.key);
+    keys_[tensor.key] = static_cast<int>(tensors_.size());
+  }
   tensors_.push_back(std::move(tensor));
 }
 

@@ -488,3 +488,48 @@ TEST(BalancedShare, SharesTileTheRangeInOrderAndDifferByAtMostOne) {
   EXPECT_THROW((void)balanced_share(10, 2, 2), Error);
   EXPECT_THROW((void)balanced_share(-1, 2, 0), Error);
 }
+
+// A slab that splits a dim past dim 1 is cut into runs contiguous in both the slab and the dataset:
+// a layer-stacked (L, h, f) weight split on its last dim is one run per (layer, row of dim 1).
+TEST(SlabParts, ALayerStackedRowParallelWeightIsOneRunPerRowOfDim1) {
+  const std::vector<std::int64_t> shape{3, 4, 6};
+  EXPECT_FALSE(splits_past_dim1(shape, std::vector<std::int64_t>{1, 2, 0}, std::vector<std::int64_t>{1, 2, 6}));
+  ASSERT_TRUE(splits_past_dim1(shape, std::vector<std::int64_t>{1, 0, 3}, std::vector<std::int64_t>{1, 4, 3}));
+  const std::vector<SlabPart> parts =
+      slab_parts("w", shape, std::vector<std::int64_t>{1, 0, 3}, std::vector<std::int64_t>{1, 4, 3});
+  ASSERT_EQ(parts.size(), 4u);
+  for (std::size_t i = 0; i < parts.size(); ++i) {
+    const auto a = static_cast<std::int64_t>(i);
+    EXPECT_EQ(parts[i].box, (Box{{1, 2}, {a * 6 + 3, a * 6 + 6}})) << i;
+    EXPECT_EQ(parts[i].slab_row, 0);
+    EXPECT_EQ(parts[i].slab_offset, a * 3);
+  }
+  // Dims past the last split one are whole and go with it; dim 0 rows are parts of their own.
+  const std::vector<SlabPart> four = slab_parts("g", std::vector<std::int64_t>{2, 3, 4, 5},
+                                                std::vector<std::int64_t>{0, 1, 2, 0}, std::vector<std::int64_t>{2, 2, 1, 5});
+  ASSERT_EQ(four.size(), 4u);  // 2 rows x 2 indices of dim 1, dims 2..3 one run of 5
+  EXPECT_EQ(four[0].box, (Box{{0, 1}, {(1 * 4 + 2) * 5, (1 * 4 + 3) * 5}}));
+  EXPECT_EQ(four[1].box, (Box{{0, 1}, {(2 * 4 + 2) * 5, (2 * 4 + 3) * 5}}));
+  EXPECT_EQ(four[2].box, (Box{{1, 2}, {(1 * 4 + 2) * 5, (1 * 4 + 3) * 5}}));
+  EXPECT_EQ(four[3].slab_row, 1);
+  EXPECT_EQ(four[3].slab_offset, 15);
+  // Every element of a slab is in exactly one part, at its place in the dataset.
+  const std::vector<std::int64_t> big{2, 3, 4, 5}, off{1, 0, 1, 2}, cnt{1, 3, 2, 3};
+  std::vector<int> seen(2 * 3 * 4 * 5, 0);
+  std::int64_t elems = 0;
+  for (const SlabPart& p : slab_parts("g", big, off, cnt)) {
+    EXPECT_EQ(p.slab_offset, elems);
+    for (std::int64_t c = p.box.cols.begin; c < p.box.cols.end; ++c) ++seen[static_cast<std::size_t>(p.box.rows.begin * 60 + c)];
+    elems += p.box.cols.size();
+  }
+  EXPECT_EQ(elems, 1 * 3 * 2 * 3);
+  for (std::int64_t d1 = 0; d1 < 3; ++d1)
+    for (std::int64_t d2 = 0; d2 < 4; ++d2)
+      for (std::int64_t d3 = 0; d3 < 5; ++d3) {
+        const bool inside = d2 >= 1 && d2 < 3 && d3 >= 2 && d3 < 5;
+        EXPECT_EQ(seen[static_cast<std::size_t>(60 + (d1 * 4 + d2) * 5 + d3)], inside ? 1 : 0) << d1 << d2 << d3;
+      }
+  EXPECT_THROW((void)slab_parts("w", std::vector<std::int64_t>{3, 4, 6}, std::vector<std::int64_t>{0, 0, 4},
+                                std::vector<std::int64_t>{1, 4, 3}),
+               Error);  // leaves dim 2
+}

@@ -130,8 +130,16 @@ void load_tensors(Source& src, StateDict& state, const LoadOptions& options, Tre
   for (ShardedTensor& t : state.tensors()) {
     const std::string who = cat("tensor ", t.key);
     const MutTensorView dst = destination(t.data, t.dtype, t.shape, who);
-    const Box box = footprint(t.key, t.global_shape, t.global_offset, t.count());
     const Range mine = own_rows(t.shape.rows(), t.replica_id, t.replicas, options.read_own_share && !src.local());
+    if (splits_past_dim1(t.global_shape, t.global_offset, t.count())) {
+      for (const SlabPart& part : slab_parts(t.key, t.global_shape, t.global_offset, t.count()))
+        if (mine.contains(part.slab_row))
+          src.read(t.key, t.dtype, t.global_shape, part.box, reshaped(dst, part.slab_offset, 1, part.box.cols.size()),
+                   who);
+      tree.emplace(t.key, dst);
+      continue;
+    }
+    const Box box = footprint(t.key, t.global_shape, t.global_offset, t.count());
     src.read(t.key, t.dtype, t.global_shape, {{box.rows.begin + mine.begin, box.rows.begin + mine.end}, box.cols},
              dst.slice_rows(mine.begin, mine.end), who);
     tree.emplace(t.key, dst);
@@ -319,6 +327,9 @@ Allocated allocate_destinations(const StateDict& request) {
         std::equal(t.global_shape.begin(), t.global_shape.end(), t.shape.dims().begin()))
       count_materialization(cat("loading the whole tensor ", t.key),
                             static_cast<std::size_t>(t.shape.elements()) * dtype_size(t.dtype));
+    require(!out.buffers.contains(t.key), Errc::invalid_argument, "tensor ", t.key,
+            " appears more than once in the request: a load into new memory gives one tensor per key (load_into "
+            "fills several parts of one key)");
     SharedBuffer b = SharedBuffer::uninitialized(t.dtype, t.shape);
     t.data = b;
     out.buffers.emplace(t.key, std::move(b));

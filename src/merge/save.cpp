@@ -31,8 +31,16 @@ void add_tensor_items(const ShardedTensor& t, bool share, SavePlan& out) {
   require(static_cast<bool>(t.data), Errc::invalid_argument, "tensor ", t.key, ": no data to save");
   require(t.data.dtype() == t.dtype && t.data.shape() == t.shape, Errc::shape_mismatch, "tensor ", t.key,
           ": the data does not match the declared dtype and shape");
-  const Box box = footprint(t.key, t.global_shape, t.global_offset, t.count());
   const Range mine = own_rows(t.shape.rows(), t.replica_id, t.replicas, share);
+  if (splits_past_dim1(t.global_shape, t.global_offset, t.count())) {
+    // Each run of elements that is contiguous in the shard and in the dataset is an item of its own.
+    for (const SlabPart& part : slab_parts(t.key, t.global_shape, t.global_offset, t.count()))
+      if (mine.contains(part.slab_row))
+        out.items.push_back({t.key, t.dtype, t.global_shape, part.box, true,
+                             reshaped(t.data.view(), part.slab_offset, 1, part.box.cols.size())});
+    return;
+  }
+  const Box box = footprint(t.key, t.global_shape, t.global_offset, t.count());
   out.items.push_back({t.key, t.dtype, t.global_shape,
                        Box{{box.rows.begin + mine.begin, box.rows.begin + mine.end}, box.cols}, true,
                        t.data.view().slice_rows(mine.begin, mine.end)});

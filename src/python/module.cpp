@@ -325,6 +325,33 @@ py::list source_rows(const Param& p, bool tp_local) {
   return out;
 }
 
+constexpr const char* kPiecesDoc =
+    "The pieces of this rank's padded shard, as the library saves and loads them (one plan): a list of dicts, "
+    "one per run of the shard's rows inside one block, in shard row order: key (the block's dataset name, "
+    "\"<key>.<section>\" for a fused weight), global_shape (the block's shape without GTP, as a plain TP run "
+    "stores it), global_offset and count (the piece's box in it), shard_row and rows (the shard rows it is), "
+    "main_replica (False for TP ranks other than 0 of a weight TP replicates). Pad rows are in none; a "
+    "padding-only rank has none.";
+
+// The pieces of pieces(): plan_rank's, as Python values.
+py::list pieces_of(const Param& p) {
+  const ShardedParam& param = p.param;
+  const RankPlan plan = plan_rank(param.spec, param.gtp, param.align, param.coord);
+  py::list out;
+  for (const Piece& piece : plan.pieces) {
+    py::dict d;
+    d["key"] = value_text(piece.key);
+    d["global_shape"] = py::tuple(py::cast(piece.global_shape));
+    d["global_offset"] = py::tuple(py::cast(piece.global_offset));
+    d["count"] = py::tuple(py::cast(piece.count));
+    d["shard_row"] = piece.shard_row;
+    d["rows"] = piece.rows;
+    d["main_replica"] = plan.main_replica;
+    out.append(std::move(d));
+  }
+  return out;
+}
+
 void bind_param(py::module_& m) {
   py::class_<Param>(m, "ShardedParam", "A GTP-sharded parameter as one rank holds it (its padded shard).")
       .def(py::init([](const ParamSpec& spec, std::int64_t gtp, std::int64_t align, std::int64_t tp_rank,
@@ -362,7 +389,10 @@ void bind_param(py::module_& m) {
                                if (!p.param.flat) return py::none();
                                return py::make_tuple(p.param.flat->begin, p.param.flat->end);
                              })
+      .def_property_readonly("replica_id", [](const Param& p) { return p.param.replica_id; })
+      .def_property_readonly("replicas", [](const Param& p) { return p.param.replicas; })
       .def("source_rows", &source_rows, py::arg("tp_local") = false, kSourceRowsDoc)
+      .def("pieces", &pieces_of, kPiecesDoc)
       .def("optimizer_state",
            [](const Param& p, const std::string& name, py::object shard, py::object dtype) {
              Param s;
