@@ -4,8 +4,9 @@
 # Idempotent: quiet when everything is already there.
 #
 # --torch2 (test.sh): also makes build/peers-venv, a virtual environment of /usr/bin/python3 with
-# torch 2.x, safetensors, numpy, h5py and packaging from PyPI, for the torch 2.x tests (tests/torch2:
-# DTensors, torch.distributed.checkpoint), which are skipped, and say so, when PyPI cannot be reached.
+# torch 2.x, megatron-core 0.16.1, safetensors, numpy, h5py, packaging and psutil from PyPI, for the
+# torch 2.x tests (tests/torch2: DTensors, torch.distributed.checkpoint; tests/megatron: Megatron's
+# dist_checkpointing), which are skipped, and say so, when PyPI cannot be reached.
 # PyPI's torch for Linux is a CUDA build: with its nvidia-* wheels about 3 GB to download and 5.5 GB
 # installed; it runs on the CPU as well. The other Python tests run Debian's python3-torch 1.13.
 # --peers (not part of demo.sh or test.sh): --torch2, and builds build/ and installs the package into
@@ -60,11 +61,14 @@ if $torch2; then
   # The extension is built for /usr/bin/python3, so the environment is made from it, without the
   # system's packages (Debian's torch 1.13 would shadow torch 2.x).
   [ -x "$venv/bin/python" ] || /usr/bin/python3 -m venv "$venv"
-  if ! "$venv/bin/python" -c 'import torch, safetensors, numpy, h5py, packaging
-assert int(torch.__version__.split(".")[0]) >= 2' 2>/dev/null; then
-    echo "setup: installing torch 2.x, safetensors, numpy, h5py and packaging from PyPI into $venv (about 3 GB)"
-    "$venv/bin/python" -m pip install -q --disable-pip-version-check "torch>=2.8" safetensors numpy h5py packaging \
-      || echo "setup: no torch 2.x (PyPI unreachable?): the torch 2.x tests will be skipped"
+  if ! "$venv/bin/python" -c 'import torch, safetensors, numpy, h5py, packaging, psutil, megatron.core
+assert int(torch.__version__.split(".")[0]) >= 2 and megatron.core.__version__ == "0.16.1"' 2>/dev/null; then
+    # megatron-core 0.16.1 is the newest for Python 3.11 (0.17 and later need 3.12); its torch_dist
+    # backend needs psutil, which it does not declare.
+    echo "setup: installing torch 2.x, megatron-core 0.16.1, safetensors, numpy, h5py, packaging and psutil from PyPI into $venv (about 3 GB)"
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check "torch>=2.8" megatron-core==0.16.1 safetensors \
+      numpy h5py packaging psutil \
+      || echo "setup: no torch 2.x or megatron-core (PyPI unreachable?): the torch 2.x and Megatron tests will be skipped"
   fi
 fi
 if $peers; then

@@ -35,9 +35,10 @@ __all__ = ["AsyncSave", "Error", "ParamSpec", "Saver", "Section", "ShardedParam"
 
 
 def __getattr__(name):
-    """shardckpt.dcp (torch.distributed.checkpoint's storage) is imported when first named: it needs
-    torch 2.x, which the rest of the package does not."""
-    if name == "dcp":
+    """shardckpt.dcp (torch.distributed.checkpoint's storage) and shardckpt.megatron (Megatron-core's
+    backend) are imported when first named: they need torch 2.x (and megatron-core), which the rest
+    of the package does not."""
+    if name in ("dcp", "megatron"):
         import importlib
         return importlib.import_module(".dcp", __name__)
     raise AttributeError(f"module 'shardckpt' has no attribute {name!r}")
