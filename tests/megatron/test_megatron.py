@@ -12,7 +12,7 @@ from support import run_ranks  # noqa: E402
 
 WORLD = 4
 WORKER = os.path.join(os.path.dirname(__file__), "worker.py")
-CASES = ["model", "gtp", "bad"]
+CASES = ["model", "gtp", "gpt", "bad"]
 
 
 class MegatronJob(unittest.TestCase):
@@ -41,6 +41,9 @@ class MegatronJob(unittest.TestCase):
 
     def test_gtp_pieces_save_under_both_backends_and_load_at_another_gtp(self):
         self.check("gtp")
+
+    def test_megatron_gpt_model_through_both_backends_at_tp_2_4_and_1(self):
+        self.check("gpt")
 
     def test_bad_input_fails_on_every_rank_and_commits_nothing(self):
         self.check("bad")
