@@ -49,5 +49,15 @@ class MegatronJob(unittest.TestCase):
         self.check("bad")
 
 
+class Examples(unittest.TestCase):
+    def test_megatron_gtp_example_on_four_processes(self):
+        script = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "python", "megatron_gtp.py")
+        with tempfile.TemporaryDirectory() as d:
+            results = run_ranks(WORLD, script, d, timeout=300)
+            for rank, (rc, text) in enumerate(results):
+                self.assertEqual(rc, 0, f"rank {rank}:\n{text}")
+            self.assertIn("loaded at TP 1 x GTP 4, pad rows zero", results[0][1])
+
+
 if __name__ == "__main__":
     unittest.main()
