@@ -134,11 +134,8 @@ class _Tensors:
         if kind == "tensor":
             return [(value, [0] * value.dim(), self.rank, self.size)]
         if kind == "sharded":
-            shards = value.local_shards()
-            if len(shards) > 1:
-                raise ValueError(f"{key}: a torch ShardedTensor with {len(shards)} local shards on rank {self.rank}: "
-                                 "shardckpt saves one part of a tensor per rank")
-            return [(s.tensor, list(s.metadata.shard_offsets), 0, 1) for s in shards]
+            # Each local shard is a part of the tensor at its offset (a rank may hold several).
+            return [(s.tensor, list(s.metadata.shard_offsets), 0, 1) for s in value.local_shards()]
         # A DTensor: its one local part at its global offset; the mesh dimensions it is replicated
         # over hold copies of it, written once between them.
         from torch.distributed.tensor import Replicate, Shard

@@ -101,6 +101,10 @@ def model_state(lay, fill=True, flat_split=None, rng=True):
         qkv = ref((3 * H, H), torch.bfloat16, base=-20)
         sd["output_layer.weight"] = ShardedTensor.from_rank_offsets(
             "output_layer.weight", value(cut(qkv, 0, t, T)), (0, t, T), replica_id=(0, 0, dp))
+    if lay.pp_rank == 0:  # a bool buffer, replicated
+        mask = torch.arange(H) % 3 == 0
+        sd["decoder.mask"] = ShardedTensor.from_rank_offsets(
+            "decoder.mask", mask if fill else torch.zeros(H, dtype=torch.bool), replica_id=(0, t, dp))
     if rng:  # a ShardedObject keeps its sharding: loaded at the TP and PP that saved it
         sd["rng_state"] = ShardedObject("rng_state", {"seed": 1234 + RANK, "state": torch.arange(4) + RANK} if fill
                                         else None, (lay.pp, T), (lay.pp_rank, t), replica_id=dp)
@@ -138,6 +142,8 @@ def check_model(lay, loaded, saved_tp, flat_split=None, rng=True):
         expect_equal(loaded[p + "mlp.linear_fc1.weight"], cut(fc1[l], 0, t, T), f"fc1 of layer {l}")
         expect_equal(loaded[p + "mlp.linear_fc2.weight"], cut(fc2[l], 1, t, T), f"fc2 of layer {l}")
         expect_equal(loaded[p + "input_layernorm.weight"], ln[l], f"norm of layer {l}")
+    if lay.pp_rank == 0:
+        expect_equal(loaded["decoder.mask"], torch.arange(H) % 3 == 0, "bool buffer")
     if lay.pp_rank == lay.pp - 1:
         expect_equal(loaded["decoder.final_layernorm.weight"], ref((H,), base=4000), "final norm")
         expect_equal(loaded["output_layer.weight"], cut(ref((3 * H, H), torch.bfloat16, base=-20), 0, t, T), "bf16")
