@@ -9,12 +9,16 @@ and safetensors"), in one run on one machine, on the same sharded state:
   - safetensors and shardckpt in one process, on the same tensors consolidated at TP 1 x GTP 1;
   - DCP's own storage (FileSystemWriter / FileSystemReader) against shardckpt's (shardckpt.dcp
     Writer / Reader) under the same dcp.save / dcp.load, in a gloo job of 4 processes holding a
-    mixed training state of DTensors (bf16 weights, f32 norms, Adam's state): bench/peers/storage.py.
+    mixed training state of DTensors (bf16 weights, f32 norms, Adam's state): bench/peers/storage.py;
+  - Megatron-core's torch_dist backend (alone, and in FullyParallelSaveStrategyWrapper) against the
+    "shardckpt" backend under the same dist_checkpointing.save / load, on the same state as Megatron's
+    layer-stacked ShardedTensors at TP 2 x DP 2: bench/peers/megatron.py.
 
 Run it with the Python of the peers' environment (scripts/setup.sh --peers):
 
     build/peers-venv/bin/python bench/peers.py [--size-mib 1024] [--repeat 7] [--json]
     build/peers-venv/bin/python bench/peers.py --only storage [--storage-mib 1024] [--storage-ranks 4]
+    build/peers-venv/bin/python bench/peers.py --only megatron [--storage-mib 1024] [--storage-ranks 4]
 
 The exit code is 0 whatever the figures, 1 if a loaded value differs from what was saved, 2 on an
 error.
@@ -33,7 +37,8 @@ MiB = 1 << 20
 # What a run writes into its directory (and removes without --keep).
 OUTPUTS = ("job.json", "single.json", "dcp-save", "dcp-async", "shardckpt-save.h5", "shardckpt-async.h5",
            "model.safetensors", "whole.h5", "storage.json", "storage-fs.json", "storage-shardckpt.json",
-           "storage-fs", "storage-shardckpt.h5")
+           "storage-fs", "storage-shardckpt.h5", "megatron.json", "megatron-torch_dist.json",
+           "megatron-shardckpt.json", "megatron-torch_dist", "megatron-torch_dist_fp", "megatron-shardckpt")
 
 
 def arguments(argv):
@@ -46,12 +51,15 @@ def arguments(argv):
     a.add_argument("--keep", action="store_true", help="keep the checkpoints")
     a.add_argument("--warm-cache", action="store_true",
                    help="keep the page cache (for profiling: what each side costs beside the disk)")
-    a.add_argument("--only", choices=("peers", "storage"),
+    a.add_argument("--only", choices=("peers", "storage", "megatron"),
                    help="peers: DCP and safetensors against shardckpt only; storage: DCP's FileSystem storage\n"
-                        "against shardckpt.dcp's Writer/Reader only (default: both)")
-    a.add_argument("--storage-mib", type=int, default=1024, help="the storage phase's state (default 1024: 1 GiB)")
-    a.add_argument("--storage-ranks", type=int, default=4, help="the storage phase's gloo processes (default 4)")
-    a.add_argument("--part", choices=("job", "single", "storage"), help=argparse.SUPPRESS)  # internal: one side
+                        "against shardckpt.dcp's Writer/Reader only; megatron: Megatron's torch_dist against\n"
+                        "the shardckpt backend only (default: peers and storage; megatron needs megatron-core)")
+    a.add_argument("--storage-mib", type=int, default=1024,
+                   help="the storage and megatron phases' state (default 1024: 1 GiB)")
+    a.add_argument("--storage-ranks", type=int, default=4,
+                   help="the storage and megatron phases' gloo processes (default 4; megatron: even)")
+    a.add_argument("--part", choices=("job", "single", "storage", "megatron"), help=argparse.SUPPRESS)  # internal: one side
     a.add_argument("--sides", default="fs,shardckpt", help=argparse.SUPPRESS)  # internal: the storage part's
     a.add_argument("--out", help=argparse.SUPPRESS)
     o = a.parse_args(argv)
@@ -107,8 +115,14 @@ def versions():
     import safetensors
     import torch
     import shardckpt
-    return {"torch": torch.__version__, "safetensors": safetensors.__version__, "h5py": h5py.__version__,
-            "hdf5": h5py.version.hdf5_version, "shardckpt": shardckpt.__version__, "python": sys.version.split()[0]}
+    out = {"torch": torch.__version__, "safetensors": safetensors.__version__, "h5py": h5py.__version__,
+           "hdf5": h5py.version.hdf5_version, "shardckpt": shardckpt.__version__, "python": sys.version.split()[0]}
+    try:
+        import megatron.core
+        out["megatron-core"] = megatron.core.__version__
+    except ImportError:
+        pass
+    return out
 
 
 def h5py_reads(path, config):
@@ -143,7 +157,20 @@ def run_storage(o):
     return out
 
 
-def report_of(o, job, one, storage):
+def run_megatron(o):
+    """The Megatron phase: the three sides in interleaved rounds, then torch_dist and shardckpt each
+    alone in a job of its own (one save and one load: its process's high-water mark)."""
+    out = {}
+    for sides, rounds in (("torch_dist,torch_dist_fp,shardckpt", None), ("torch_dist", 1), ("shardckpt", 1)):
+        name = "megatron" if rounds is None else f"megatron-{sides}"
+        path = os.path.join(o.dir, name + ".json")
+        run_job(o, path, world=o.storage_ranks, part="megatron", sides=sides, rounds=rounds)
+        with open(path) as f:
+            out[name] = json.load(f)
+    return out
+
+
+def report_of(o, job, one, storage, megatron=None):
     from peers import report, system
     r = report.Report()
     r.set("repeat", o.repeat)
@@ -157,6 +184,9 @@ def report_of(o, job, one, storage):
     if storage is not None:
         report.storage(r, storage)
         mismatches += [m for s in storage.values() for m in s["mismatches"]]
+    if megatron is not None:
+        report.megatron(r, megatron)
+        mismatches += [m for s in megatron.values() for m in s["mismatches"]]
     r.add("mismatches", len(mismatches), note="every load checked")
     r.set("first_mismatches", mismatches[:5])
     return r, bool(mismatches)
@@ -181,14 +211,14 @@ def peers_report(o, r, job, one):
 
 def describe(o):
     from peers import model, storage
-    if o.only != "storage":
+    if o.only in (None, "peers"):
         config = model.bench_config(o.size_mib * MiB)
         print(f"bench/peers.py: {model.model_bytes(config) / MiB:.1f} MiB ({config.gdp_layers} GDP + "
               f"{config.mamba_layers} Mamba layers, bf16), {o.repeat} write and {o.read_repeat} read rounds, "
               f"directory {o.dir}", file=sys.stderr)
-    if o.only != "peers":
+    if o.only in ("storage", "megatron", None):
         shape = storage.shape_for(o.storage_mib * MiB)
-        print(f"bench/peers.py: storage phase: {storage.state_bytes(shape) / MiB:.1f} MiB ({shape[0]} layers of "
+        print(f"bench/peers.py: {o.only or 'storage'} phase: {storage.state_bytes(shape) / MiB:.1f} MiB ({shape[0]} layers of "
               f"hidden {shape[1]}, weights bf16, Adam f32) on {o.storage_ranks} gloo processes, {o.repeat} write and "
               f"{o.read_repeat} read rounds", file=sys.stderr)
 
@@ -202,6 +232,10 @@ def main(argv):
         from peers import storage
         storage.main(o.storage_mib * MiB, o.dir, o.repeat, o.read_repeat, o.out, o.sides.split(","))
         return 0
+    if o.part == "megatron":
+        from peers import megatron
+        megatron.main(o.storage_mib * MiB, o.dir, o.repeat, o.read_repeat, o.out, o.sides.split(","))
+        return 0
     if o.part:
         from peers import jobs, single
         (jobs if o.part == "job" else single).main(o.size_mib * MiB, o.dir, o.repeat, o.read_repeat, o.out)
@@ -213,15 +247,17 @@ def main(argv):
     try:
         if not o.json:
             describe(o)
-        job = one = storage = None
-        if o.only != "storage":
+        job = one = storage = megatron = None
+        if o.only in (None, "peers"):
             run_job(o, job_out)
             run_single(o, single_out)
             with open(job_out) as f, open(single_out) as g:
                 job, one = json.load(f), json.load(g)
-        if o.only != "peers":
+        if o.only in (None, "storage"):
             storage = run_storage(o)
-        r, mismatched = report_of(o, job, one, storage)
+        if o.only == "megatron":
+            megatron = run_megatron(o)
+        r, mismatched = report_of(o, job, one, storage, megatron)
     finally:
         if not o.keep:
             clean(o.dir, made)

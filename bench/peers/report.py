@@ -152,3 +152,31 @@ def storage(report, runs):
         report.set(f"dcp_storage_{side}_alone_rss_before", {"rss": alone["rss_before"], "hwm": alone["hwm_before"]})
         report.add(f"dcp_storage_{side}_bytes_on_disk", both["disk"][side]["bytes"])
         report.add(f"dcp_storage_{side}_files", both["disk"][side]["files"])
+
+
+def megatron(report, runs):
+    """Megatron's torch_dist (alone, and in FullyParallelSaveStrategyWrapper) against the "shardckpt"
+    backend under dist_checkpointing.save / load: times, per-phase peaks, each alone (ru_maxrss), disk."""
+    both = runs["megatron"]
+    ph, nbytes = both["phases"], both["bytes"]
+    report.set("megatron_state", {"bytes": nbytes, "layers": both["layers"], "hidden": both["hidden"],
+                                  "ranks": both["ranks"], "layout": "TP 2 x DP (ranks / 2)",
+                                  "rank_bytes": both["local_bytes"], "peak_memory_method": both["peak_method"]})
+    report.rounds(ph)
+    for side in ("torch_dist", "torch_dist_fp", "shardckpt"):
+        add_phase(report, ph, f"megatron_{side}_save", nbytes, f"megatron_{side}_save")
+    for side in ("torch_dist", "shardckpt"):
+        add_phase(report, ph, f"megatron_{side}_load", nbytes, f"megatron_{side}_load")
+    add_ratio(report, "megatron_save_ratio", seconds(ph, "megatron_torch_dist_save"),
+              seconds(ph, "megatron_shardckpt_save"), "torch_dist s / shardckpt s")
+    add_ratio(report, "megatron_fp_save_ratio", seconds(ph, "megatron_torch_dist_fp_save"),
+              seconds(ph, "megatron_shardckpt_save"), "torch_dist fully parallel s / shardckpt s")
+    add_ratio(report, "megatron_load_ratio", seconds(ph, "megatron_torch_dist_load"),
+              seconds(ph, "megatron_shardckpt_load"), "torch_dist s / shardckpt s")
+    for side in ("torch_dist", "shardckpt"):
+        alone = runs[f"megatron-{side}"]
+        report.add(f"megatron_{side}_maxrss_extra_bytes", alone["maxrss_extra"],
+                   note="per rank, ru_maxrss above RSS before, this backend alone")
+    for side in ("torch_dist", "torch_dist_fp", "shardckpt"):
+        report.add(f"megatron_{side}_bytes_on_disk", both["disk"][side]["bytes"])
+        report.add(f"megatron_{side}_files", both["disk"][side]["files"])

@@ -1,0 +1,182 @@
+"""Megatron-core's torch_dist backend against shardckpt's under the same dist_checkpointing.save /
+load calls (megatron-core 0.16): one gloo job (4 processes by default) at TP 2 x DP (world / 2)
+holding the storage phase's model (bench/peers/storage.py: GPT-2 small's shapes, bf16 weights, f32
+norms, Adam's two f32 moments) as Megatron's layers describe it: layer-stacked ShardedTensors
+(prepend_axis_num=1, one per layer), column-parallel weights split on dim 1, row-parallel ones on
+their last dim, norms replicated over TP, everything replicated over DP (replica_id (0, 0, dp)).
+Sides: "torch_dist" (Megatron's default), "torch_dist_fp" (the same wrapped in
+FullyParallelSaveStrategyWrapper over the DP group, as megatron/training's --ckpt-fully-parallel-save
+does) and "shardckpt". Interleaved rounds, the page cache dropped before each phase; rank 0 times
+every phase from a barrier to a barrier."""
+import dataclasses
+import json
+import os
+import resource
+import sys
+import time
+import traceback
+from math import prod
+
+import torch
+import torch.distributed as dist
+
+torch.cuda.synchronize = lambda *a, **k: None  # torch_dist calls these on CPU too
+torch.cuda.current_device = lambda: "cpu"
+
+from megatron.core import dist_checkpointing  # noqa: E402
+from megatron.core.dist_checkpointing import ShardedTensor  # noqa: E402
+from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy  # noqa: E402
+from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper  # noqa: E402
+
+import shardckpt.megatron  # noqa: E402,F401  (registers the backend)
+
+from . import storage, system  # noqa: E402
+
+SIDES = ("torch_dist", "torch_dist_fp", "shardckpt")
+TP = 2
+
+
+def tensors(shape, tp_rank, dp_rank, fill):
+    """(state key, ShardedTensor) of every weight and Adam moment: layer-stacked as Megatron stacks them."""
+    layers, hidden = shape
+    out = []
+    rows_of = {"attn.qkv.weight": 1, "mlp.up.weight": 1, "attn.out.weight": 2, "mlp.down.weight": 2}
+    for i, (name, gshape, dtype, _) in enumerate(storage.params(shape)):
+        if name.startswith("layers."):
+            layer, base = int(name.split(".")[1]), name.split(".", 2)[2]
+            key, stacked = f"decoder.layers.{base}", (layers,) + gshape
+            split = rows_of.get(base)  # axis in the stacked global shape, or None (a replicated norm)
+            prepend = ((0, layer, layers),)
+        else:
+            layer, key, stacked, prepend = None, name, gshape, ()
+            split = 0 if name == "embed.weight" else None  # vocabulary-parallel, or a replicated norm
+        local = list(stacked[len(prepend):])
+        offsets = prepend
+        if split is not None:
+            a = split - len(prepend)
+            local[a] = stacked[split] // TP
+            offsets = prepend + ((split, tp_rank, TP),)
+        for kind, dt, scale in (("weight", dtype, 1.0), ("exp_avg", torch.float32, 0.01),
+                                ("exp_avg_sq", torch.float32, 1e-4)):
+            t = torch.empty(local, dtype=dt)
+            if fill:
+                # A replica's values are the same on every rank that holds it.
+                part = tp_rank if split is not None else 0
+                t.normal_(0.0, scale, generator=torch.Generator().manual_seed(1000 * i + 7 * part + len(kind)))
+            else:
+                t.reshape(-1).view(torch.uint8).fill_(0xff)
+            full_key = key if kind == "weight" else f"optimizer.state.{kind}.{key}"
+            replica = (0, 0, dp_rank) if split is not None else (0, tp_rank, dp_rank)
+            out.append((f"{full_key}.{layer}", ShardedTensor.from_rank_offsets(
+                full_key, t, *offsets, replica_id=replica, prepend_axis_num=len(prepend))))
+    return out
+
+
+def fresh(state):
+    """New ShardedTensors over the same tensors, as a trainer's sharded_state_dict() makes them for
+    each save: torch_dist changes the ShardedTensors it is handed (their data gets the prepended axes)."""
+    return {k: dataclasses.replace(sh) for k, sh in state.items()}
+
+
+class Job:
+    def __init__(self, shape, directory, isolated):
+        self.rank, self.world, self.dir = dist.get_rank(), dist.get_world_size(), directory
+        self.tp_rank, self.dp_rank = self.rank % TP, self.rank // TP
+        self.source = dict(tensors(shape, self.tp_rank, self.dp_rank, fill=True))
+        self.dest = dict(tensors(shape, self.tp_rank, self.dp_rank, fill=False))
+        # The DP group of this TP rank (FullyParallelSaveStrategyWrapper's parallelization group).
+        groups = [dist.new_group(list(range(t, self.world, TP))) for t in range(TP)]
+        self.dp_group = groups[self.tp_rank]
+        self.meter, self.records, self.mismatches = system.PeakMeter(), {}, []
+        self.isolated = isolated
+
+    def path(self, side):
+        return os.path.join(self.dir, f"megatron-{side}")
+
+    def strategy(self, side):
+        if side == "shardckpt":
+            return ("shardckpt", 1)
+        base = get_default_save_sharded_strategy()
+        return base if side == "torch_dist" else FullyParallelSaveStrategyWrapper(base, self.dp_group)
+
+    def timed(self, name, fn, remove=None):
+        dist.barrier()
+        if self.rank == 0:
+            if remove:
+                system.remove(remove)
+                os.makedirs(remove)
+            system.cold(self.dir)
+        dist.barrier()
+        if not self.isolated:
+            self.meter.begin()
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dist.barrier()
+        seconds = time.perf_counter() - t0
+        extra, peak = (0, 0) if self.isolated else self.meter.end()
+        self.records.setdefault(name, []).append({"seconds": seconds, "peak_extra": extra, "peak": peak})
+
+    def save(self, side):
+        self.timed(f"megatron_{side}_save", lambda: dist_checkpointing.save(
+            fresh(self.source), self.path(side), sharded_strategy=self.strategy(side)), remove=self.path(side))
+
+    def load(self, side, timed=True):
+        for sh in self.dest.values():
+            sh.data.reshape(-1).view(torch.uint8).fill_(0xff)
+        fn = lambda: dist_checkpointing.load(fresh(self.dest), self.path(side))  # noqa: E731
+        self.timed(f"megatron_{side}_load", fn) if timed else fn()
+        for k, sh in self.source.items():
+            if not torch.equal(sh.data.view(torch.uint8), self.dest[k].data.view(torch.uint8)):
+                self.mismatches.append(f"megatron {side} load: {sh.key}")
+                break
+
+    def run(self, sides, rounds, read_rounds):
+        rss_before = system.status_bytes("VmRSS:")
+        for i in range(rounds):
+            for side in (sides if i % 2 == 0 else sides[::-1]):
+                self.save(side)
+        loads = [s for s in sides if s != "torch_dist_fp"]  # the wrapper's checkpoint is torch_dist's format
+        for side in loads:
+            self.load(side, timed=False)
+        for i in range(read_rounds):
+            for side in (loads if i % 2 == 0 else loads[::-1]):
+                self.load(side)
+        mine = {"records": self.records, "mismatches": self.mismatches,
+                "local_bytes": sum(sh.data.nbytes for sh in self.source.values()), "rss_before": rss_before,
+                "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        everyone = [None] * self.world
+        dist.all_gather_object(everyone, mine)
+        return everyone
+
+
+def merge(everyone, job, sides):
+    out = {"phases": {}, "mismatches": [m for e in everyone for m in e["mismatches"]], "ranks": len(everyone),
+           "local_bytes": [e["local_bytes"] for e in everyone], "maxrss": max(e["maxrss"] for e in everyone),
+           "maxrss_extra": max(e["maxrss"] - e["rss_before"] for e in everyone), "peak_method": job.meter.method()}
+    for name, rounds in everyone[0]["records"].items():
+        out["phases"][name] = [{"seconds": r["seconds"],
+                                "peak_extra": max(e["records"][name][i]["peak_extra"] for e in everyone),
+                                "peak": max(e["records"][name][i]["peak"] for e in everyone)}
+                               for i, r in enumerate(rounds)]
+    out["disk"] = {side: dict(zip(("bytes", "files"), system.on_disk(job.path(side)))) for side in sides}
+    return out
+
+
+def main(size_bytes, directory, rounds, read_rounds, out_path, sides=SIDES):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        shape = storage.shape_for(size_bytes)
+        job = Job(shape, directory, isolated=len(sides) == 1)
+        everyone = job.run(tuple(sides), rounds, read_rounds)
+        if job.rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(merge(everyone, job, sides) | {"layers": shape[0], "hidden": shape[1],
+                                                         "bytes": storage.state_bytes(shape) - 4 * len(
+                                                             storage.params(shape))}, f)
+    except Exception:
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)
+    dist.destroy_process_group()
