@@ -144,30 +144,27 @@ def h5py_reads(path, config):
     return len(names), torch.equal(torch.from_numpy(raw.view(np.int16)), want.view(torch.int16))
 
 
-def run_storage(o):
-    """The storage phase: both storages in interleaved rounds, then each alone in a job of its own
-    (one save and one load: the high-water mark of a process that ran only that storage)."""
+def run_phase(o, part, sides, alone):
+    """A phase of gloo jobs: `sides` in interleaved rounds, then each of `alone` in a job of its own
+    (one save and one load: the high-water mark of a process that ran only that side)."""
     out = {}
-    for sides, rounds in (("fs,shardckpt", None), ("fs", 1), ("shardckpt", 1)):
-        name = "storage" if rounds is None else f"storage-{sides}"
+    for which, rounds in [(",".join(sides), None)] + [(side, 1) for side in alone]:
+        name = part if rounds is None else f"{part}-{which}"
         path = os.path.join(o.dir, name + ".json")
-        run_job(o, path, world=o.storage_ranks, part="storage", sides=sides, rounds=rounds)
+        run_job(o, path, world=o.storage_ranks, part=part, sides=which, rounds=rounds)
         with open(path) as f:
             out[name] = json.load(f)
     return out
+
+
+def run_storage(o):
+    """DCP's FileSystem storage and shardckpt.dcp's (bench/peers/storage.py)."""
+    return run_phase(o, "storage", ("fs", "shardckpt"), ("fs", "shardckpt"))
 
 
 def run_megatron(o):
-    """The Megatron phase: the three sides in interleaved rounds, then torch_dist and shardckpt each
-    alone in a job of its own (one save and one load: its process's high-water mark)."""
-    out = {}
-    for sides, rounds in (("torch_dist,torch_dist_fp,shardckpt", None), ("torch_dist", 1), ("shardckpt", 1)):
-        name = "megatron" if rounds is None else f"megatron-{sides}"
-        path = os.path.join(o.dir, name + ".json")
-        run_job(o, path, world=o.storage_ranks, part="megatron", sides=sides, rounds=rounds)
-        with open(path) as f:
-            out[name] = json.load(f)
-    return out
+    """Megatron's torch_dist, alone and fully parallel, and the shardckpt backend (bench/peers/megatron.py)."""
+    return run_phase(o, "megatron", ("torch_dist", "torch_dist_fp", "shardckpt"), ("torch_dist", "shardckpt"))
 
 
 def report_of(o, job, one, storage, megatron=None):

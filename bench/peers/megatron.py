@@ -132,7 +132,7 @@ class Job:
                 break
 
     def run(self, sides, rounds, read_rounds):
-        rss_before = system.status_bytes("VmRSS:")
+        rss_before, hwm_before = system.status_bytes("VmRSS:"), system.status_bytes("VmHWM:")
         for i in range(rounds):
             for side in (sides if i % 2 == 0 else sides[::-1]):
                 self.save(side)
@@ -144,23 +144,10 @@ class Job:
                 self.load(side)
         mine = {"records": self.records, "mismatches": self.mismatches,
                 "local_bytes": sum(sh.data.nbytes for sh in self.source.values()), "rss_before": rss_before,
-                "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+                "hwm_before": hwm_before, "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
         everyone = [None] * self.world
         dist.all_gather_object(everyone, mine)
         return everyone
-
-
-def merge(everyone, job, sides):
-    out = {"phases": {}, "mismatches": [m for e in everyone for m in e["mismatches"]], "ranks": len(everyone),
-           "local_bytes": [e["local_bytes"] for e in everyone], "maxrss": max(e["maxrss"] for e in everyone),
-           "maxrss_extra": max(e["maxrss"] - e["rss_before"] for e in everyone), "peak_method": job.meter.method()}
-    for name, rounds in everyone[0]["records"].items():
-        out["phases"][name] = [{"seconds": r["seconds"],
-                                "peak_extra": max(e["records"][name][i]["peak_extra"] for e in everyone),
-                                "peak": max(e["records"][name][i]["peak"] for e in everyone)}
-                               for i, r in enumerate(rounds)]
-    out["disk"] = {side: dict(zip(("bytes", "files"), system.on_disk(job.path(side)))) for side in sides}
-    return out
 
 
 def main(size_bytes, directory, rounds, read_rounds, out_path, sides=SIDES):
@@ -172,7 +159,7 @@ def main(size_bytes, directory, rounds, read_rounds, out_path, sides=SIDES):
         everyone = job.run(tuple(sides), rounds, read_rounds)
         if job.rank == 0:
             with open(out_path, "w") as f:
-                json.dump(merge(everyone, job, sides) | {"layers": shape[0], "hidden": shape[1],
+                json.dump(storage.merge(everyone, job, sides) | {"layers": shape[0], "hidden": shape[1],
                                                          "bytes": storage.state_bytes(shape) - 4 * len(
                                                              storage.params(shape))}, f)
     except Exception:

@@ -35,7 +35,7 @@ from megatron.core.dist_checkpointing.strategies.base import (LoadShardedStrateg
                                                                StrategyAction, register_default_strategy)
 
 from . import _core
-from .state_dict import _AS_BYTES, _STORED, TORCH_DTYPE_NAMES, _dtype_name, _stored, default_group
+from .state_dict import _AS_BYTES, _STORED, TORCH_DTYPE_NAMES, _dtype_name, _stored, default_group, exchange
 
 __all__ = ["BACKEND", "FILE_NAME", "OBJECTS_KEY", "VERSION", "LoadStrategy", "SaveStrategy", "gtp_sharded_state_dict"]
 
@@ -56,28 +56,9 @@ def _object_dataset(unique_key):
 
 
 def _exchange(group, payload, failure):
-    """Every rank's `payload` (JSON values), or, when any rank failed, that failure raised on every
-    rank: the first failing rank's exception type where it is one of Megatron's or the builtins this
-    backend raises, with its text naming the rank."""
-    if group is None:
-        if failure is not None:
-            raise failure
-        return [payload]
-    mine = {"failure": None if failure is None else [type(failure).__name__, _text(failure)], "payload": payload}
-    everyone = [json.loads(b) for b in group.all_gather_bytes(json.dumps(mine, separators=(",", ":")).encode())]
-    failed = [(r, e["failure"]) for r, e in enumerate(everyone) if e["failure"] is not None]
-    if failed:
-        if failure is not None and failed[0][0] == group.rank():
-            raise failure
-        rank, (name, text) = failed[0]
-        kind = {"TypeError": TypeError, "ValueError": ValueError, "KeyError": KeyError}.get(name, CheckpointingException)
-        more = f" ({len(failed) - 1} other rank{'s' if len(failed) > 2 else ''} failed too)" if len(failed) > 1 else ""
-        raise kind(f"rank {rank}: {text}{more}")
-    return [e["payload"] for e in everyone]
-
-
-def _text(e):
-    return e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+    """state_dict.exchange, a failure that is no builtin raised on the other ranks as Megatron's
+    CheckpointingException."""
+    return exchange(group, payload, failure, otherwise=CheckpointingException)
 
 
 def _collective(group, what):

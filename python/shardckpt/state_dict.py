@@ -64,26 +64,36 @@ def default_group(group):
     return None
 
 
-def agree(group, failure):
-    """Every rank's `failure` (None, or an exception raised before any byte moved): each rank raises
-    the first failing rank's exception (its type and text, naming the rank), so that no rank goes on
-    into a collective the others never reach."""
+def exchange(group, payload, failure, otherwise=RuntimeError):
+    """Every rank's `payload` (JSON values), in rank order; or, when any rank's `failure` (None, or an
+    exception raised before any byte moved) is one, that failure raised on every rank: the first
+    failing rank's exception (its type where it is TypeError, ValueError or KeyError, else
+    `otherwise`; its text naming the rank), so that no rank goes on into a collective the others
+    never reach."""
     if group is None:
         if failure is not None:
             raise failure
-        return
-    message = None if failure is None else failure.args[0] if isinstance(failure, KeyError) and failure.args else str(failure)
-    text = b"" if failure is None else json.dumps([type(failure).__name__, message]).encode()
-    everyone = group.all_gather_bytes(text)
-    failed = [(r, json.loads(t)) for r, t in enumerate(everyone) if t]
-    if not failed:
-        return
-    if failure is not None and failed[0][0] == group.rank():
-        raise failure
-    rank, (name, message) = failed[0]
-    kind = {"TypeError": TypeError, "ValueError": ValueError, "KeyError": KeyError}.get(name, RuntimeError)
-    others = f" ({len(failed) - 1} other rank{'s' if len(failed) > 2 else ''} failed too)" if len(failed) > 1 else ""
-    raise kind(f"rank {rank}: {message}{others}")
+        return [payload]
+    told = None
+    if failure is not None:
+        told = [type(failure).__name__,
+                failure.args[0] if isinstance(failure, KeyError) and failure.args else str(failure)]
+    mine = json.dumps({"failure": told, "payload": payload}, separators=(",", ":")).encode()
+    everyone = [json.loads(b) for b in group.all_gather_bytes(mine)]
+    failed = [(r, e["failure"]) for r, e in enumerate(everyone) if e["failure"] is not None]
+    if failed:
+        if failure is not None and failed[0][0] == group.rank():
+            raise failure
+        rank, (name, message) = failed[0]
+        kind = {"TypeError": TypeError, "ValueError": ValueError, "KeyError": KeyError}.get(name, otherwise)
+        others = f" ({len(failed) - 1} other rank{'s' if len(failed) > 2 else ''} failed too)" if len(failed) > 1 else ""
+        raise kind(f"rank {rank}: {message}{others}")
+    return [e["payload"] for e in everyone]
+
+
+def agree(group, failure):
+    """exchange without a payload: every rank's `failure` raised on every rank."""
+    exchange(group, None, failure)
 
 
 def _join(path):

@@ -1,40 +1,21 @@
 """Megatron-core 0.16 (torch 2.x, PyPI) on CPU under gloo: the "shardckpt" backend of
 dist_checkpointing and GTP pieces as Megatron ShardedTensors, on 4 processes (tests/megatron/worker.py
 runs every case in one job; each test here checks its case on every rank)."""
-import json
 import os
 import sys
 import tempfile
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
-from support import run_ranks  # noqa: E402
+from support import GlooJobCase, run_ranks  # noqa: E402
 
 WORLD = 4
 WORKER = os.path.join(os.path.dirname(__file__), "worker.py")
 CASES = ["model", "gtp", "gpt", "bad"]
 
 
-class MegatronJob(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.tmp = tempfile.TemporaryDirectory()
-        cls.results = run_ranks(WORLD, WORKER, cls.tmp.name, *CASES, timeout=600)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.tmp.cleanup()
-
-    def check(self, case):
-        for rank, (code, out) in enumerate(self.results):
-            path = os.path.join(self.tmp.name, f"{case}.{rank}.json")
-            if not os.path.exists(path):
-                self.fail(f"rank {rank} never finished case {case} (exit {code}):\n{out[-4000:]}")
-            with open(path) as f:
-                result = json.load(f)
-            self.assertEqual(result, "ok", f"rank {rank}, case {case}:\n{result}")
-        for rank, (code, out) in enumerate(self.results):
-            self.assertEqual(code, 0, f"rank {rank} exited {code}:\n{out[-4000:]}")
+class MegatronJob(GlooJobCase, unittest.TestCase):
+    WORLD, WORKER, CASES = WORLD, WORKER, CASES
 
     def test_megatron_state_dicts_saved_by_the_backend_load_at_other_shardings_as_torch_dist_does(self):
         self.check("model")

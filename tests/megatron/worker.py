@@ -6,7 +6,6 @@ collective."""
 import json
 import os
 import sys
-import traceback
 import warnings
 
 warnings.filterwarnings("ignore")
@@ -24,7 +23,7 @@ from megatron.core.dist_checkpointing.core import CheckpointingException  # noqa
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 import shardckpt as sc  # noqa: E402
 import shardckpt.megatron as scm  # noqa: E402
-from support import reference, spec_at  # noqa: E402
+from support import reference, run_cases, spec_at  # noqa: E402
 
 RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 L, H, F, VOCAB = 4, 8, 12, 10
@@ -416,17 +415,8 @@ CASES = {"model": case_model, "gtp": case_gtp, "bad": case_bad, "gpt": case_gpt}
 
 
 def main():
-    d = sys.argv[1]
     dist.init_process_group("gloo")
-    for name in sys.argv[2:]:
-        try:
-            CASES[name](d)
-            result = "ok"
-        except Exception:  # noqa: BLE001 - the test reports any failure with its traceback
-            result = traceback.format_exc()
-        with open(os.path.join(d, f"{name}.{RANK}.json"), "w") as f:
-            json.dump(result, f)
-        dist.barrier()
+    run_cases(CASES, sys.argv[1], RANK)
     dist.destroy_process_group()
 
 

@@ -87,3 +87,50 @@ def h5py_bf16(dataset):
     raw = np.empty(dataset.shape, np.uint16)
     dataset.id.read(h5py.h5s.ALL, h5py.h5s.ALL, raw, mtype=dataset.id.get_type())
     return torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16)
+
+
+def run_cases(cases, directory, rank, *args):
+    """A gloo job's worker loop: runs each case named on the command line (sys.argv[2:]) as
+    cases[name](directory, *args) and writes "ok" or the failure's traceback to
+    DIRECTORY/<case>.<rank>.json, a barrier after each so that one failing case does not stop the others."""
+    import json
+    import traceback
+    import torch.distributed as dist
+    for name in sys.argv[2:]:
+        try:
+            cases[name](directory, *args)
+            result = "ok"
+        except BaseException:  # the test reports any failure with its traceback
+            result = traceback.format_exc()
+        with open(os.path.join(directory, f"{name}.{rank}.json"), "w") as f:
+            json.dump(result, f)
+        dist.barrier()
+
+
+class GlooJobCase:
+    """A unittest.TestCase mixin: WORLD processes of WORKER run CASES once for the class; check(case)
+    asserts that every rank wrote "ok" for it and that every rank exited 0."""
+
+    WORLD, WORKER, CASES = 4, None, []
+
+    @classmethod
+    def setUpClass(cls):
+        import tempfile
+        cls.tmp = tempfile.TemporaryDirectory()
+        cls.results = run_ranks(cls.WORLD, cls.WORKER, cls.tmp.name, *cls.CASES, timeout=600)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+
+    def check(self, case):
+        import json
+        for rank, (code, out) in enumerate(self.results):
+            path = os.path.join(self.tmp.name, f"{case}.{rank}.json")
+            if not os.path.exists(path):
+                self.fail(f"rank {rank} never finished case {case} (exit {code}):\n{out[-4000:]}")
+            with open(path) as f:
+                result = json.load(f)
+            self.assertEqual(result, "ok", f"rank {rank}, case {case}:\n{result}")
+        for rank, (code, out) in enumerate(self.results):
+            self.assertEqual(code, 0, f"rank {rank} exited {code}:\n{out[-4000:]}")

@@ -10,7 +10,7 @@ import unittest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
-from support import run_ranks  # noqa: E402
+from support import GlooJobCase, run_ranks  # noqa: E402
 
 import shardckpt as sc  # noqa: E402
 
@@ -20,26 +20,8 @@ CASES = ["dtensor_save_state_dict", "dtensor_dcp", "dcp_async", "adam_plain", "a
          "native_through_reader", "torch_sharded_tensor", "bad_input"]
 
 
-class Torch2Job(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.tmp = tempfile.TemporaryDirectory()
-        cls.results = run_ranks(WORLD, WORKER, cls.tmp.name, *CASES, timeout=600)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.tmp.cleanup()
-
-    def check(self, case):
-        for rank, (code, out) in enumerate(self.results):
-            path = os.path.join(self.tmp.name, f"{case}.{rank}.json")
-            if not os.path.exists(path):
-                self.fail(f"rank {rank} never finished case {case} (exit {code}):\n{out[-4000:]}")
-            with open(path) as f:
-                result = json.load(f)
-            self.assertEqual(result, "ok", f"rank {rank}, case {case}:\n{result}")
-        for rank, (code, out) in enumerate(self.results):
-            self.assertEqual(code, 0, f"rank {rank} exited {code}:\n{out[-4000:]}")
+class Torch2Job(GlooJobCase, unittest.TestCase):
+    WORLD, WORKER, CASES = WORLD, WORKER, CASES
 
     def test_dtensors_save_state_dict_load_at_other_meshes_and_placements(self):
         self.check("dtensor_save_state_dict")

@@ -3,10 +3,8 @@ the command line against checkpoints in DIR, and writes, for each, "ok" or the f
 DIR/<case>.<rank>.json. Cases see the same reference tensors on every rank (values built from their
 indices), so each can check what it loads against the whole tensor without a collective."""
 import datetime
-import json
 import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -16,6 +14,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 import shardckpt as sc  # noqa: E402
+from support import run_cases  # noqa: E402
 from shardckpt.dcp import Reader, Writer  # noqa: E402
 
 RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -353,19 +352,11 @@ CASES = {name[5:]: f for name, f in globals().items() if name.startswith("case_"
 
 
 def main():
-    d, names = sys.argv[1], sys.argv[2:]
+    d = sys.argv[1]
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=3))
     mesh1 = init_device_mesh("cpu", (WORLD,))
     mesh2 = init_device_mesh("cpu", (2, WORLD // 2))
-    for name in names:
-        try:
-            CASES[name](d, mesh1, mesh2)
-            result = "ok"
-        except BaseException:
-            result = traceback.format_exc()
-        with open(os.path.join(d, f"{name}.{RANK}.json"), "w") as f:
-            json.dump(result, f)
-        dist.barrier()
+    run_cases(CASES, d, RANK, mesh1, mesh2)
     dist.destroy_process_group()
 
 
