@@ -58,6 +58,7 @@ def main():
             raise SystemExit(f"{k} differs after the resume")
     if dist.get_rank() == 0:
         print(f"dcp: saved {path}, 0.weight {shape} in h5py, resumed")
+    dist.barrier()  # every rank done with the group before any tears it down
     dist.destroy_process_group()
 
 

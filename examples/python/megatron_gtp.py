@@ -76,6 +76,7 @@ def main():
     assert not other.in_proj.data[other.in_proj_param.real_rows():].any(), "pad rows are not zero"
     if dist.get_rank() == 0:
         print(f"megatron: saved {ckpt} at TP 2 x GTP {world // 2}, loaded at TP 1 x GTP {world}, pad rows zero")
+    dist.barrier()  # every rank done with the group before any tears it down
     dist.destroy_process_group()
 
 
