@@ -306,7 +306,7 @@ std::vector<SlabPart> slab_parts(std::string_view key, std::span<const std::int6
           " separate runs of elements (it splits dim ", last, " of ", dims_text(shape),
           "); at most ", max_slab_parts, " are saved or loaded");
   out.reserve(static_cast<std::size_t>(parts));
-  std::vector<std::int64_t> index(last > 0 ? last - 1 : 0, 0);  // of dims 1..last-1, within the slab
+  std::vector<std::int64_t> index(last - 1, 0);  // of dims 1..last-1, within the slab
   const std::int64_t per_row = parts / std::max<std::int64_t>(count[0], 1);
   for (std::int64_t r = 0; r < count[0]; ++r) {
     std::fill(index.begin(), index.end(), 0);
@@ -314,8 +314,7 @@ std::vector<SlabPart> slab_parts(std::string_view key, std::span<const std::int6
       // Where the run starts in the dataset's row: dims 1..last in C order.
       std::int64_t at = 0;
       for (std::size_t d = 1; d < last; ++d) at = at * shape[d] + offset[d] + index[d - 1];
-      if (last >= 1) at = at * shape[last] + offset[last];
-      at *= inner;
+      at = (at * shape[last] + offset[last]) * inner;
       out.push_back({{{offset[0] + r, offset[0] + r + 1}, {at, at + run}}, r, (r * per_row + p) * run});
       for (std::size_t d = last; d-- > 1;) {  // the next index of dims 1..last-1, last fastest
         if (++index[d - 1] < count[d]) break;

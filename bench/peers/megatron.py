@@ -11,11 +11,8 @@ every phase from a barrier to a barrier."""
 import dataclasses
 import json
 import os
-import resource
 import sys
-import time
 import traceback
-from math import prod
 
 import torch
 import torch.distributed as dist
@@ -78,7 +75,7 @@ def fresh(state):
     return {k: dataclasses.replace(sh) for k, sh in state.items()}
 
 
-class Job:
+class Job(system.Rounds):
     def __init__(self, shape, directory, isolated):
         self.rank, self.world, self.dir = dist.get_rank(), dist.get_world_size(), directory
         self.tp_rank, self.dp_rank = self.rank % TP, self.rank // TP
@@ -99,27 +96,13 @@ class Job:
         base = get_default_save_sharded_strategy()
         return base if side == "torch_dist" else FullyParallelSaveStrategyWrapper(base, self.dp_group)
 
-    def timed(self, name, fn, remove=None):
-        dist.barrier()
-        if self.rank == 0:
-            if remove:
-                system.remove(remove)
-                os.makedirs(remove)
-            system.cold(self.dir)
-        dist.barrier()
-        if not self.isolated:
-            self.meter.begin()
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        dist.barrier()
-        seconds = time.perf_counter() - t0
-        extra, peak = (0, 0) if self.isolated else self.meter.end()
-        self.records.setdefault(name, []).append({"seconds": seconds, "peak_extra": extra, "peak": peak})
+    def local_bytes(self):
+        return sum(sh.data.nbytes for sh in self.source.values())
 
     def save(self, side):
         self.timed(f"megatron_{side}_save", lambda: dist_checkpointing.save(
-            fresh(self.source), self.path(side), sharded_strategy=self.strategy(side)), remove=self.path(side))
+            fresh(self.source), self.path(side), sharded_strategy=self.strategy(side)), old=self.path(side),
+            recreate=True)  # Megatron saves into an existing directory
 
     def load(self, side, timed=True):
         for sh in self.dest.values():
@@ -132,22 +115,8 @@ class Job:
                 break
 
     def run(self, sides, rounds, read_rounds):
-        rss_before, hwm_before = system.status_bytes("VmRSS:"), system.status_bytes("VmHWM:")
-        for i in range(rounds):
-            for side in (sides if i % 2 == 0 else sides[::-1]):
-                self.save(side)
-        loads = [s for s in sides if s != "torch_dist_fp"]  # the wrapper's checkpoint is torch_dist's format
-        for side in loads:
-            self.load(side, timed=False)
-        for i in range(read_rounds):
-            for side in (loads if i % 2 == 0 else loads[::-1]):
-                self.load(side)
-        mine = {"records": self.records, "mismatches": self.mismatches,
-                "local_bytes": sum(sh.data.nbytes for sh in self.source.values()), "rss_before": rss_before,
-                "hwm_before": hwm_before, "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-        everyone = [None] * self.world
-        dist.all_gather_object(everyone, mine)
-        return everyone
+        # The wrapper's checkpoint is torch_dist's format: its loads are torch_dist's.
+        return super().run(sides, rounds, read_rounds, loads=[s for s in sides if s != "torch_dist_fp"])
 
 
 def main(size_bytes, directory, rounds, read_rounds, out_path, sides=SIDES):

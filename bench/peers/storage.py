@@ -17,9 +17,7 @@ parameters' names), which DCP pickles as bytes items.
 the high-water mark of a process that ran only that storage: ru_maxrss)."""
 import json
 import os
-import resource
 import sys
-import time
 import traceback
 from math import prod
 
@@ -150,7 +148,7 @@ def reader(side, path):
     return Reader(path)  # its defaults: checksums verified
 
 
-class Job:
+class Job(system.Rounds):
     def __init__(self, shape, directory, isolated):
         self.rank, self.dir = dist.get_rank(), directory
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -163,30 +161,12 @@ class Job:
     def path(self, side):
         return os.path.join(self.dir, {"fs": "storage-fs", "shardckpt": "storage-shardckpt.h5"}[side])
 
-    def _prepare(self, remove=None):
-        """Untimed: the last round's checkpoint removed, everything synced, the page cache dropped."""
-        dist.barrier()
-        if self.rank == 0:
-            if remove:
-                system.remove(remove)
-            system.cold(self.dir)
-        dist.barrier()
-        if not self.isolated:
-            self.meter.begin()
-        dist.barrier()
-
-    def timed(self, name, fn, remove=None):
-        self._prepare(remove)
-        t0 = time.perf_counter()
-        fn()
-        dist.barrier()
-        seconds = time.perf_counter() - t0
-        extra, peak = (0, 0) if self.isolated else self.meter.end()
-        self.records.setdefault(name, []).append({"seconds": seconds, "peak_extra": extra, "peak": peak})
+    def local_bytes(self):
+        return self.source.local_bytes()
 
     def save(self, side):
         self.timed(f"storage_{side}_save", lambda: dcp.save(self.source.sd, storage_writer=writer(side, self.path(side))),
-                   remove=self.path(side))
+                   old=self.path(side))
 
     def load(self, side, timed=True):
         self.dest.poison()
@@ -196,22 +176,6 @@ class Job:
         else:
             fn()
         self.mismatches += [f"{side} storage load: {k}" for k in self.dest.mismatches(self.source)[:5]]
-
-    def run(self, sides, rounds, read_rounds):
-        rss_before, hwm_before = system.status_bytes("VmRSS:"), system.status_bytes("VmHWM:")
-        for i in range(rounds):  # the rounds alternate which side goes first
-            for side in (sides if i % 2 == 0 else sides[::-1]):
-                self.save(side)
-        for side in sides:  # one untimed load of each fresh checkpoint
-            self.load(side, timed=False)
-        for i in range(read_rounds):
-            for side in (sides if i % 2 == 0 else sides[::-1]):
-                self.load(side)
-        mine = {"records": self.records, "mismatches": self.mismatches, "local_bytes": self.source.local_bytes(),
-                "rss_before": rss_before, "hwm_before": hwm_before, "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        return everyone
 
 
 def merge(everyone, job, sides):

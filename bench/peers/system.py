@@ -112,3 +112,59 @@ class PeakMeter:
 def spread(values):
     """The median of the rounds, their least and greatest value."""
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+class Rounds:
+    """The timed phases of one gloo job, shared by the jobs that compare storages side by side. A
+    subclass sets rank, dir, meter (a PeakMeter), records ({}), mismatches ([]) and isolated (one
+    side alone: its own high-water mark, never reset by a phase), and has save(side),
+    load(side, timed) and local_bytes()."""
+
+    def prepare(self, old=None, recreate=False):
+        """Untimed: the last round's checkpoint `old` removed (made again, empty, with `recreate`, for
+        a side that saves into an existing directory), everything synced, the page cache dropped."""
+        import torch.distributed as dist
+        dist.barrier()
+        if self.rank == 0:
+            if old:
+                remove(old)
+                if recreate:
+                    os.makedirs(old)
+            cold(self.dir)
+        dist.barrier()
+        if not self.isolated:
+            self.meter.begin()
+        dist.barrier()
+
+    def timed(self, name, fn, old=None, recreate=False):
+        """Runs fn() as phase `name`, from a barrier to a barrier, after prepare(old, recreate)."""
+        import torch.distributed as dist
+        self.prepare(old, recreate)
+        t0 = time.perf_counter()
+        fn()
+        dist.barrier()
+        seconds = time.perf_counter() - t0
+        extra, peak = (0, 0) if self.isolated else self.meter.end()
+        self.records.setdefault(name, []).append({"seconds": seconds, "peak_extra": extra, "peak": peak})
+
+    def run(self, sides, rounds, read_rounds, loads=None):
+        """`rounds` saves of every side, which goes first alternating; one untimed load of each of
+        `loads` (default: the sides); `read_rounds` timed loads. Every rank's records, gathered."""
+        import resource
+        import torch.distributed as dist
+        loads = sides if loads is None else loads
+        rss_before, hwm_before = status_bytes("VmRSS:"), status_bytes("VmHWM:")
+        for i in range(rounds):
+            for side in (sides if i % 2 == 0 else sides[::-1]):
+                self.save(side)
+        for side in loads:
+            self.load(side, timed=False)
+        for i in range(read_rounds):
+            for side in (loads if i % 2 == 0 else loads[::-1]):
+                self.load(side)
+        mine = {"records": self.records, "mismatches": self.mismatches, "local_bytes": self.local_bytes(),
+                "rss_before": rss_before, "hwm_before": hwm_before,
+                "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        return everyone

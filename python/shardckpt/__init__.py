@@ -40,7 +40,7 @@ def __getattr__(name):
     of the package does not."""
     if name in ("dcp", "megatron"):
         import importlib
-        return importlib.import_module(".dcp", __name__)
+        return importlib.import_module("." + name, __name__)
     raise AttributeError(f"module 'shardckpt' has no attribute {name!r}")
 
 

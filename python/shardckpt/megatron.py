@@ -35,7 +35,7 @@ from megatron.core.dist_checkpointing.strategies.base import (LoadShardedStrateg
                                                                StrategyAction, register_default_strategy)
 
 from . import _core
-from .state_dict import _AS_BYTES, _STORED, TORCH_DTYPE_NAMES, _dtype_name, _stored, default_group, exchange
+from .state_dict import _AS_BYTES, TORCH_DTYPE_NAMES, _stored, default_group, exchange, stored_dtype
 
 __all__ = ["BACKEND", "FILE_NAME", "OBJECTS_KEY", "VERSION", "LoadStrategy", "SaveStrategy", "gtp_sharded_state_dict"]
 
@@ -61,7 +61,7 @@ def _exchange(group, payload, failure):
     return exchange(group, payload, failure, otherwise=CheckpointingException)
 
 
-def _collective(group, what):
+def _collective(what):
     """Runs `what()` (a collective of the library): its failure, a shardckpt.Error the library raises
     on every rank, as Megatron's CheckpointingException."""
     try:
@@ -86,15 +86,6 @@ def _view(sh, loading):
     if tuple(data.shape) != tuple(1 for _ in range(sh.prepend_axis_num)) + tuple(sh.local_shape):
         raise CheckpointingException(f"{sh.key}: data of shape {tuple(sh.data.shape)}, local_shape {sh.local_shape}")
     return data
-
-
-def _check_dtype(sh):
-    name = _dtype_name(sh.dtype)
-    if name not in _STORED and name not in _AS_BYTES:
-        raise CheckpointingException(f"{sh.key}: a {name} tensor: the shardckpt backend stores bfloat16, float16, "
-                                     "float32, float64, bool and integer tensors of 8 to 64 bits (dequantize FP8 "
-                                     "first)")
-    return name
 
 
 def _sharded(sharded_state_dict):
@@ -140,7 +131,7 @@ class SaveStrategy(SaveShardedStrategy):
         try:
             tensors, sharded_objects = _sharded(sharded_state_dict)
             for sh in tensors:
-                name = _check_dtype(sh)
+                name = stored_dtype(sh.dtype, sh.key, CheckpointingException, " (dequantize FP8 first)")
                 view = _view(sh, loading=False)
                 if name in _AS_BYTES:
                     mine["bytes_as"][sh.key] = name
@@ -204,7 +195,7 @@ class SaveStrategy(SaveShardedStrategy):
         except (CheckpointingException, TypeError, ValueError, _core.Error) as e:
             failure = CheckpointingException(str(e)) if isinstance(e, _core.Error) else e
         _exchange(group, None, failure)
-        _collective(group, lambda: save(state, _path(checkpoint_dir), group, **self._options))
+        _collective(lambda: save(state, _path(checkpoint_dir), group, **self._options))
 
 
 class LoadStrategy(LoadShardedStrategy):
@@ -270,16 +261,22 @@ class LoadStrategy(LoadShardedStrategy):
         except (CheckpointingException, TypeError, ValueError, KeyError) as e:
             failure = e
         _exchange(group, None, failure)
-        failure = None
+        failure, loaded = None, {}
         try:
             load_into(path, state, None, **self._options)
             for target, temp in copy_back:
                 target.copy_(temp)
+            for obj, buffer in object_reads:  # unpickled before the last exchange: a bad one fails every rank
+                try:
+                    loaded[id(obj)] = torch.load(io.BytesIO(buffer.numpy().tobytes()), map_location="cpu",
+                                                 weights_only=False)
+                except Exception as e:  # noqa: BLE001 - whatever unpickling raises, said with the object's key
+                    raise CheckpointingException(f"ShardedObject {obj.unique_key} in {path}: {e}") from e
         except _core.Error as e:
             failure = CheckpointingException(str(e))
+        except CheckpointingException as e:
+            failure = e
         _exchange(group, None, failure)
-        loaded = {id(obj): torch.load(io.BytesIO(buffer.numpy().tobytes()), map_location="cpu", weights_only=False)
-                  for obj, buffer in object_reads}
         return dict_list_map_inplace(lambda v: loaded[id(v)] if isinstance(v, ShardedObject) else v.data,
                                      sharded_state_dict)
 

@@ -50,6 +50,16 @@ def _dtype_name(dtype):
     return str(dtype).removeprefix("torch.")
 
 
+def stored_dtype(dtype, key, error=TypeError, hint=""):
+    """torch's name of `dtype` when the library stores it (itself or as the bytes of another);
+    otherwise `error` naming `key` and the dtypes it stores (and `hint`)."""
+    name = _dtype_name(dtype)
+    if name not in _STORED and name not in _AS_BYTES:
+        raise error(f"{key}: a {name} tensor: shardckpt stores bfloat16, float16, float32, float64, bool and "
+                    f"integer tensors of 8 to 64 bits{hint}")
+    return name
+
+
 def default_group(group):
     """The group a state dict call runs over: `group` as given (a TorchGroup or a torch.distributed
     ProcessGroup); else torch.distributed's default group when it is initialized; else None (this
@@ -127,11 +137,7 @@ class _Tensors:
         return list(value.shape if self.kind(value) != "sharded" else value.size())
 
     def dtype(self, value, key):
-        name = _dtype_name(value.dtype)
-        if name not in _STORED and name not in _AS_BYTES:
-            raise TypeError(f"{key}: a {name} tensor: shardckpt stores bfloat16, float16, float32, float64, bool "
-                            "and integer tensors of 8 to 64 bits")
-        return name
+        return stored_dtype(value.dtype, key)
 
     def boxes(self, value, key):
         """This rank's parts of tensor `value` that hold elements (an uneven split leaves some ranks an

@@ -3,11 +3,11 @@ dist_checkpointing and GTP pieces as Megatron ShardedTensors, on 4 processes (te
 runs every case in one job; each test here checks its case on every rank)."""
 import os
 import sys
-import tempfile
+import subprocess
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
-from support import GlooJobCase, run_ranks  # noqa: E402
+from support import GlooJobCase, check_example  # noqa: E402
 
 WORLD = 4
 WORKER = os.path.join(os.path.dirname(__file__), "worker.py")
@@ -32,12 +32,15 @@ class MegatronJob(GlooJobCase, unittest.TestCase):
 
 class Examples(unittest.TestCase):
     def test_megatron_gtp_example_on_four_processes(self):
-        script = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "python", "megatron_gtp.py")
-        with tempfile.TemporaryDirectory() as d:
-            results = run_ranks(WORLD, script, d, timeout=300)
-            for rank, (rc, text) in enumerate(results):
-                self.assertEqual(rc, 0, f"rank {rank}:\n{text}")
-            self.assertIn("loaded at TP 1 x GTP 4, pad rows zero", results[0][1])
+        check_example(self, "megatron_gtp.py", "loaded at TP 1 x GTP 4, pad rows zero", WORLD)
+
+
+class Package(unittest.TestCase):
+    def test_shardckpt_megatron_is_the_backend_module_when_named_after_import_shardckpt(self):
+        code = "import shardckpt; m = shardckpt.megatron; print(m.__name__, m.BACKEND, m.VERSION)"
+        out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=120)
+        self.assertEqual(out.returncode, 0, out.stderr[-2000:])
+        self.assertEqual(out.stdout.split(), ["shardckpt.megatron", "shardckpt", "1"])
 
 
 if __name__ == "__main__":

@@ -134,3 +134,15 @@ class GlooJobCase:
             self.assertEqual(result, "ok", f"rank {rank}, case {case}:\n{result}")
         for rank, (code, out) in enumerate(self.results):
             self.assertEqual(code, 0, f"rank {rank} exited {code}:\n{out[-4000:]}")
+
+
+def check_example(test, name, expect, world=4):
+    """Runs examples/python/NAME on `world` gloo processes as torchrun would, with a new directory as
+    its argument: every process exits 0 (no signal at exit) and rank 0 prints `expect`."""
+    import tempfile
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "python", name)
+    with tempfile.TemporaryDirectory() as d:
+        results = run_ranks(world, script, d, timeout=300)
+        for rank, (rc, text) in enumerate(results):
+            test.assertEqual(rc, 0, f"rank {rank}:\n{text}")
+        test.assertIn(expect, results[0][1])

@@ -10,7 +10,7 @@ import unittest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
-from support import GlooJobCase, run_ranks  # noqa: E402
+from support import GlooJobCase, check_example  # noqa: E402
 
 import shardckpt as sc  # noqa: E402
 
@@ -50,12 +50,7 @@ class Torch2Job(GlooJobCase, unittest.TestCase):
 
 class Examples(unittest.TestCase):
     def test_dcp_storage_example_on_four_processes(self):
-        script = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "python", "dcp_storage.py")
-        with tempfile.TemporaryDirectory() as d:
-            results = run_ranks(WORLD, script, d, timeout=300)
-            for rank, (rc, text) in enumerate(results):
-                self.assertEqual(rc, 0, f"rank {rank}:\n{text}")
-            self.assertIn("0.weight (16, 8) in h5py, resumed", results[0][1])
+        check_example(self, "dcp_storage.py", "0.weight (16, 8) in h5py, resumed", WORLD)
 
 
 class OneProcess(unittest.TestCase):
