@@ -121,6 +121,10 @@ struct SaverOptions {
   // is staged; a row that differs fails the save with Errc::shard_changed naming the key and rows.
   // It costs save_async one read of every byte (device rows through the pool) and 8 bytes a row.
   bool check_unchanged = false;
+  // The budget allocated and every page of it faulted in when the saver is made, so that no
+  // save_async allocates or waits for the kernel to back its memory (the first one included). False:
+  // at reserve(), or else by the first async save staged whole (which then waits for it).
+  bool reserve = true;
   SaveOptions save = {};
 };
 
@@ -148,8 +152,13 @@ class Saver {
   AsyncSave save_async(const StateDict& state, const std::filesystem::path& path);
   // The budget of async saves: SaverOptions::async_host_bytes, never less than the pool.
   std::size_t async_host_bytes() const;
-  // Pinned memory this saver holds: its budget, allocated when the saver is made when it has an
-  // engine (the pool lies in it), else by the first async save staged whole.
+  // Allocates the budget and faults in every page of it, if the saver does not hold it yet (made
+  // with reserve = false); this rank alone (not collective). Errc::resources when the memory is not
+  // there.
+  void reserve();
+  // Pinned memory this saver holds: its budget from the moment it is made (or from reserve(), or
+  // the first async save staged whole, with reserve = false; a saver with an engine always holds
+  // it: the pool lies in it).
   std::size_t staging_bytes() const;
 
  private:

@@ -63,7 +63,9 @@ class CopyEngine {
 };
 
 // Page-aligned host memory locked with mlock where the system allows (what pinned means without
-// a CUDA driver), in the pinned memory space.
+// a CUDA driver), in the pinned memory space; every page faulted in before it returns (huge pages
+// where the kernel has them), so that no copy into it later waits for the kernel: Errc::resources
+// when the memory is not there.
 SharedBuffer allocate_locked(DType dtype, Extents shape);
 
 // An emulated device: its memory is mapped PROT_NONE except while the engine's own thread copies or

@@ -3,6 +3,9 @@
 // overlap of copies with writes, saves that allocate no device memory, and loads in place that
 // allocate nothing. Async saves are in async_test.cpp.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -10,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -44,6 +48,37 @@ std::vector<float> read_device(CopyEngine& engine, TensorView device) {
 }
 
 }  // namespace
+
+// Resident pages of this process, from /proc/self/statm.
+std::int64_t resident_bytes() {
+  std::ifstream statm("/proc/self/statm");
+  std::int64_t size = 0, resident = 0;
+  statm >> size >> resident;
+  return resident * static_cast<std::int64_t>(::sysconf(_SC_PAGESIZE));
+}
+
+// Pinned host memory is backed when it is handed out: a copy into it never waits for the kernel to
+// find and zero pages (the first async save of a Saver would, otherwise). Checked where mlock cannot
+// lock it (mlock would fault the pages in itself): in a child that may lock nothing (as root, after
+// giving up root, which ignores the limit).
+TEST(LockedMemory, EveryPageIsBackedWhenItIsAllocatedEvenWhereItCannotBeLocked) {
+  constexpr std::int64_t bytes = 64 << 20;
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    const rlimit none{0, 0};
+    if (::setrlimit(RLIMIT_MEMLOCK, &none) != 0) ::_exit(3);
+    if (::geteuid() == 0 && (::setgid(65534) != 0 || ::setuid(65534) != 0)) ::_exit(4);
+    const std::int64_t before = resident_bytes();
+    SharedBuffer b = allocate_locked(DType::u8, Extents{bytes});
+    const std::int64_t grew = resident_bytes() - before;
+    ::_exit(grew >= bytes * 9 / 10 && b.bytes() == static_cast<std::size_t>(bytes) ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "1: the pages were not backed; 3, 4: the child could not drop its limits";
+}
 
 TEST(EmulatedDevice, HostAccessToDeviceMemoryCrashes) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");

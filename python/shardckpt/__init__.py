@@ -131,15 +131,18 @@ class Saver:
     the tensors (call it before the optimizer step changes them); wait() returns the collective
     outcome or raises it. check_unchanged=True hashes every row at save_async and again as it is
     staged: a tensor changed too early fails the save (shardckpt.Error, code "shard_changed", naming
-    the key and rows). close() ends the save in flight and frees the saver's memory; every saver
-    still open is closed at interpreter exit, after its save in flight has ended."""
+    the key and rows). The budget (async_host_bytes, never less than the pool) is allocated and
+    every page of it faulted in when the saver is made, so that no save_async waits for memory, the
+    first included; reserve=False leaves that to reserve() (or to the first async save staged whole).
+    close() ends the save in flight and frees the saver's memory; every saver still open is closed
+    at interpreter exit, after its save in flight has ended."""
 
     _saver = None  # none in a Saver made by Saver.__new__ without __init__
 
     def __init__(self, group=None, cuda_device=None, async_host_bytes=0, check_unchanged=False,
-                 staging_buffer_bytes=64 << 20):
+                 staging_buffer_bytes=64 << 20, reserve=True):
         self._saver = _core.Saver(_group(group), cuda_device, async_host_bytes, check_unchanged,
-                                  staging_buffer_bytes)
+                                  staging_buffer_bytes, reserve)
 
     def _core(self):
         if self._saver is None:
@@ -161,4 +164,11 @@ class Saver:
         return self._core().async_host_bytes()
 
     def staging_bytes(self):
+        """Pinned host memory this saver holds: its whole budget from the moment it is made (with
+        reserve=False from reserve() or its first async save staged whole)."""
         return self._core().staging_bytes()
+
+    def reserve(self):
+        """Allocates the budget and faults in its pages if this saver does not hold it yet (made with
+        reserve=False); this rank alone, not collective."""
+        self._core().reserve()

@@ -65,6 +65,7 @@ Saved save_model(const DemoFlags& f, const demo::ModelConfig& config, const demo
     };
     Saver saver(group, {.engine = device.engine,
                         .staging_buffer_bytes = staging_buffer_bytes(rank.shard_bytes),
+                        .reserve = f.async,  // a host save in the caller's time uses no budget
                         .save = {.method = method_of(f.method),
                                  .checksums = !f.no_checksums,
                                  .on_phase = phase,

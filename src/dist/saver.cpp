@@ -155,7 +155,7 @@ struct Saver::Impl {
     try {
       memory = options.engine ? options.engine->allocate_pinned(DType::u8, shape) : allocate_locked(DType::u8, shape);
     } catch (const Error& e) {
-      if (e.code() != Errc::internal) throw;
+      if (e.code() != Errc::internal && e.code() != Errc::resources) throw;
       throw Error(Errc::resources,
                   cat("a saver's host budget of ", budget, " bytes could not be allocated: ", e.what()));
     }
@@ -224,8 +224,14 @@ Saver::Saver(ProcessGroup& group, SaverOptions options) : impl_(std::make_unique
         o.staging_buffers, static_cast<std::int64_t>(o.staging_buffer_bytes), "the saver's pool in bytes"));
     impl_->budget = std::max(o.async_host_bytes, pool_bytes);
     require_budget_fits(impl_->budget);
-    if (o.engine) impl_->allocate_budget();
+    if (o.engine || o.reserve) impl_->allocate_budget();
   });
+}
+
+// The budget is only ever touched by the caller's thread (a save in flight without it streams from
+// the shards, and a saver with a pool, which the background uses, always holds its budget).
+void Saver::reserve() {
+  if (!impl_->memory) impl_->allocate_budget();
 }
 
 Saver::~Saver() { impl_->join(); }

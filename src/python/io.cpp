@@ -288,10 +288,11 @@ void bind_saver(py::module_& m) {
       .def("done", [](const PyAsyncSave& s) { return s.pending->save.done(); });
   py::class_<PySaver>(m, "Saver", "Repeated (and async) saves of one rank; collective to make.")
       .def(py::init([](py::object group, std::optional<int> cuda_device, const py::int_& async_host_bytes,
-                       bool check_unchanged, const py::int_& staging_buffer_bytes) {
+                       bool check_unchanged, const py::int_& staging_buffer_bytes, bool reserve) {
              SaverOptions o;
              o.async_host_bytes = byte_count(async_host_bytes, "async_host_bytes");
              o.check_unchanged = check_unchanged;
+             o.reserve = reserve;
              o.staging_buffer_bytes = byte_count(staging_buffer_bytes, "staging_buffer_bytes");
              if (cuda_device) o.engine = cuda_engine(*cuda_device);
              GroupArg g(group);
@@ -303,7 +304,8 @@ void bind_saver(py::module_& m) {
              return s;
            }),
            py::arg("group") = py::none(), py::arg("cuda_device") = py::none(), py::arg("async_host_bytes") = 0,
-           py::arg("check_unchanged") = false, py::arg("staging_buffer_bytes") = StagingPool::default_buffer_bytes)
+           py::arg("check_unchanged") = false, py::arg("staging_buffer_bytes") = StagingPool::default_buffer_bytes,
+           py::arg("reserve") = true)
       .def("save",
            [](PySaver& s, const PyStateDict& state, const Path& path) {
              std::shared_ptr<Saver> saver = s.use();
@@ -343,6 +345,15 @@ void bind_saver(py::module_& m) {
       .def("close", &PySaver::close,
            "Ends the save in flight (if any) and frees the saver's memory and private group; a closed saver "
            "refuses every call. Every saver still open closes at interpreter exit.")
+      .def(
+          "reserve",
+          [](const PySaver& s) {
+            const std::shared_ptr<Saver> saver = s.use();
+            py::gil_scoped_release nogil;
+            saver->reserve();
+          },
+          "Allocates the budget and faults in its pages if the saver does not hold it yet (made with "
+          "reserve=False); this rank alone.")
       .def("async_host_bytes", [](const PySaver& s) { return s.use()->async_host_bytes(); })
       .def("staging_bytes", [](const PySaver& s) { return s.use()->staging_bytes(); });
 }

@@ -39,8 +39,9 @@ TEST(AsyncSave, StagedWholeBeforeItReturnsAndSavesTheWeightsAsTheyWere) {
   }
 }
 
-// The budget is the pool's unless asked for more, allocated once (a host saver's by its first async
-// save staged whole); a state larger than the budget no longer fails but streams through it.
+// The budget is the pool's unless asked for more, allocated and faulted in once, when the saver is
+// made (or at reserve()), so that no async save allocates, the first included; a state larger than
+// the budget no longer fails but streams through it.
 TEST(AsyncSave, TheBudgetIsAllocatedOnceAndNeverGrows) {
   ScratchDir dir;
   const auto c = tiny_model();
@@ -50,21 +51,35 @@ TEST(AsyncSave, TheBudgetIsAllocatedOnceAndNeverGrows) {
     const std::size_t budget = std::max<std::size_t>(2 * static_cast<std::size_t>(m.shard_bytes), 2048);
     Saver saver(g, {.staging_buffer_bytes = 1024, .async_host_bytes = budget});
     EXPECT_EQ(saver.async_host_bytes(), budget);
-    EXPECT_EQ(saver.staging_bytes(), 0u);  // no engine: nothing until a save is staged whole
-    saver.save_async(m.state, dir / "a.h5").wait();
-    EXPECT_EQ(saver.staging_bytes(), budget);
+    EXPECT_EQ(saver.staging_bytes(), budget);  // held from the start, without an engine too
     // Adam's state makes the rank's bytes larger than the budget: they stream, in place.
     demo::RankModel bigger = demo::build_rank(c, l, g.rank(), {.adam = true});
     ASSERT_GT(static_cast<std::size_t>(bigger.shard_bytes), saver.async_host_bytes());
     g.barrier();
     const BufferStats before = buffer_stats();  // no rank allocates between the barriers
     for (int i = 0; i < 3; ++i) saver.save_async(m.state, dir / "a.h5").wait();
+    saver.reserve();  // held already: nothing more
     saver.save_async(bigger.state, dir / "b.h5").wait();
     g.barrier();
     const BufferStats after = buffer_stats();
     g.barrier();
     EXPECT_EQ(after.allocations, before.allocations);
     EXPECT_EQ(saver.staging_bytes(), budget);
+    // Asked for later: nothing until reserve(), which allocates once.
+    Saver later(g, {.staging_buffer_bytes = 1024, .async_host_bytes = budget, .reserve = false});
+    EXPECT_EQ(later.staging_bytes(), 0u);
+    later.reserve();
+    EXPECT_EQ(later.staging_bytes(), budget);
+    g.barrier();
+    const BufferStats reserved = buffer_stats();
+    later.reserve();
+    later.save_async(m.state, dir / "c.h5").wait();
+    g.barrier();
+    EXPECT_EQ(buffer_stats().allocations, reserved.allocations);
+    // Or by the first async save staged whole.
+    Saver lazy(g, {.staging_buffer_bytes = 1024, .async_host_bytes = budget, .reserve = false});
+    lazy.save_async(m.state, dir / "d.h5").wait();
+    EXPECT_EQ(lazy.staging_bytes(), budget);
     // Never below the pool.
     Saver small(g, {.staging_buffer_bytes = 1024, .async_host_bytes = 100});
     EXPECT_EQ(small.async_host_bytes(), 2048u);
@@ -182,10 +197,19 @@ TEST(AsyncSave, ABudgetThisProcessCannotHoldIsRefusedWhenTheSaverIsMade) {
     const AddressSpaceLimit as(limit);
     EXPECT_EQ(saver_error(limit + 1, message), Errc::resources);
     EXPECT_NE(message.find(cat("RLIMIT_AS (address space) limit of ", limit, " bytes")), std::string::npos) << message;
-    // Under the limit, more than the address space left: the save that maps it fails on resources.
-    ScratchDir dir;
+    // Under the limit, more than the address space left: the saver that maps it fails on resources,
+    // when it is made or (made with reserve = false) at the save that maps it.
+    const std::size_t budget = limit - (std::size_t{1} << 20);
     SoloGroup solo;
-    Saver saver(solo, {.async_host_bytes = limit - (std::size_t{1} << 20)});
+    try {
+      Saver saver(solo, {.async_host_bytes = budget});
+      ADD_FAILURE() << "a budget the address space cannot hold was allocated";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::resources) << e.what();
+      EXPECT_NE(std::string(e.what()).find("could not be allocated"), std::string::npos) << e.what();
+    }
+    ScratchDir dir;
+    Saver saver(solo, {.async_host_bytes = budget, .reserve = false});
     StateDict s;
     SharedBuffer t = SharedBuffer::zeros(DType::f32, {4, 4});
     s.add(ShardedTensor::of("t", TensorRef(t), {4, 4}, {0, 0}));

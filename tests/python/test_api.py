@@ -237,7 +237,26 @@ class Api(unittest.TestCase):
         handle.wait_staged()
         handle.wait()
         self.assertTrue(torch.equal(sc.read(self.path)["big"], original))
-        self.assertEqual(saver.staging_bytes(), 0)  # host tensors stream from where they are
+        # Host tensors stream from where they are; the budget was held from the start all the same.
+        self.assertEqual(saver.staging_bytes(), saver.async_host_bytes())
+
+    def test_a_savers_budget_is_held_when_it_is_made_or_at_reserve(self):
+        group = HeldGroup()
+        group.go.set()
+        saver = sc.Saver(group, staging_buffer_bytes=1 << 20, async_host_bytes=3 << 20)
+        self.assertEqual(saver.staging_bytes(), 3 << 20)
+        later = sc.Saver(group, staging_buffer_bytes=1 << 20, reserve=False)
+        self.assertEqual(later.staging_bytes(), 0)
+        later.reserve()
+        later.reserve()
+        self.assertEqual(later.staging_bytes(), 2 << 20)
+        t, s = big_state()
+        later.save_async(s, self.path).wait()
+        self.assertTrue(torch.equal(sc.read(self.path)["big"], t))
+        self.assertEqual(later.staging_bytes(), 2 << 20)
+        later.close()
+        with self.assertRaises(sc.Error):
+            later.reserve()
 
     def test_a_tensor_changed_before_the_save_read_it_fails_a_checked_save(self):
         t, s = big_state()
