@@ -86,6 +86,13 @@ struct LoadOptions {
   // pages do not crowd the page cache, and on disks where scattered reads through the page cache are
   // slow, ranks get more of the disk (what it gains where is in docs/performance.md).
   bool bypass_page_cache = false;
+  // A load into new memory (load, read) gives each tensor whose bytes lie in the checkpoint as its
+  // rows lie in memory (whole rows of one contiguous, unfiltered dataset of its dtype and shape: a
+  // TP=1 read of a plain weight, a block, an unpadded shard, a ShardedTensor of whole rows) as a
+  // private mapping of the file, checked against its checksums, rather than new memory and a copy
+  // (CheckpointReader::map). False: every tensor in memory of its own (for a caller that writes
+  // every byte, or must not keep the file's pages mapped).
+  bool map = true;
 };
 
 // Fills the tensors of `state` where they are (host or device memory): each piece straight into its
@@ -133,6 +140,12 @@ struct Allocated {
   std::map<std::string, SharedBuffer, std::less<>> buffers;
 };
 Allocated allocate_destinations(const StateDict& request);
+// The same after mapping what can be (LoadOptions::map, CheckpointReader::map): `state` holds the
+// entries still to load (load_into), `buffers` every entry's tensor, mapped or allocated. Entries
+// whose rows replicas share (replicas > 1) are mapped only when `shared_too` (a collective load reads
+// them in shares instead).
+Allocated map_or_allocate(const CheckpointReader& reader, const StateDict& request, const LoadOptions& options,
+                          bool shared_too);
 
 // Where one rank sits in the layout a tool loads a checkpoint at.
 struct LoadLayout {

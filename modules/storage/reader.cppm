@@ -46,6 +46,12 @@ struct OpenOptions {
   bool require_seal = false;
 };
 
+// A part of a tensor mapped from the file (CheckpointReader::map): whole rows `box` of `dataset`.
+struct MapPart {
+  const Dataset* dataset = nullptr;
+  Box box;
+};
+
 // An open, complete checkpoint. Metadata and data come from one open file: a path replaced while
 // the reader is open does not change what it reads. Reads from many threads run in parallel on
 // the raw path (IoMethod::raw).
@@ -93,6 +99,23 @@ class CheckpointReader {
   // The same for the slab at `offset` with extent `count`.
   void read(const Dataset& dataset, std::span<const std::int64_t> offset, std::span<const std::int64_t> count,
             MutTensorView dst, ReadOptions options = {}) const;
+
+  // Rows `box` of the dataset (whole rows) as a tensor of `shape` over the checkpoint file itself:
+  // host memory backed by a private mapping of the file (a write to it copies the page and never
+  // reaches the file), every row checked against its checksum over the mapped pages when
+  // options.verify (Errc::corrupt). Nothing when those bytes do not lie in the file as the tensor's
+  // rows lie in memory (a chunked, filtered or external dataset, elements not aligned, the
+  // hyperslab method, a read around the page cache): read() them into memory instead. The mapping
+  // lives as long as the last tensor over it, past the reader. Errc::replaced when the file's size
+  // changed since the open. A file truncated by someone else while a tensor is over it makes access
+  // to the lost pages fail with SIGBUS, as for any mapping; one written in place changes what the
+  // tensor shows where it was not written (the library's saves replace a file, never rewrite it).
+  std::optional<SharedBuffer> map(const Dataset& dataset, const Box& box, Extents shape, ReadOptions options = {}) const;
+  // The same for a tensor joined from parts in order (a fused weight's blocks, each whole rows of
+  // its own dataset of `dtype`): mapped one after another where each starts on a page of the file
+  // and all but the last fill whole pages; nothing otherwise.
+  std::optional<SharedBuffer> map(std::span<const MapPart> parts, DType dtype, Extents shape,
+                                  ReadOptions options = {}) const;
 
  private:
   std::unique_ptr<ReaderState> impl_;

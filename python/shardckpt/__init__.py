@@ -86,16 +86,22 @@ def load_into(path, state, group=None, **options):
 
 def load(path, request, group=None, **options):
     """Loads the entries of `request` (a StateDict without data) into memory the library allocates:
-    a dict from each tensor key to a torch tensor, and from each common value's key to its value."""
+    a dict from each tensor key to a torch tensor, and from each common value's key to its value.
+    Options: method, verify_checksums=True, map=True (a tensor whose rows lie in the file as they
+    would in memory is a private mapping of the file, every row checked: docs/python.md)."""
     return _as_torch(_core.load(os.fspath(path), request, _group(group), **options))
 
 
-def read(path, tp=1, tp_rank=0):
+def read(path, tp=1, tp_rank=0, map=True):
     """Every tensor of a checkpoint at TP degree `tp`, as TP rank `tp_rank` holds it, and its common
     values, in one dict (as load gives them): each parameter's TP-local weight (its fused blocks
     joined in row order; at tp=1 the plain weight) as a torch tensor, loaded by the library (every
-    byte checked against its checksum), and each common value's key to its int, float or str."""
-    return _as_torch(_core.read(os.fspath(path), tp, tp_rank))
+    byte checked against its checksum), and each common value's key to its int, float or str.
+    map=True: a tensor whose rows lie in the file as they lie in memory (a plain weight at tp=1, a
+    tensor, an unpadded shard) is a private mapping of the file (writes to it never reach the file;
+    the mapping lives as long as the last tensor over it); map=False: every tensor in memory of its
+    own (docs/python.md, "Reads over the file")."""
+    return _as_torch(_core.read(os.fspath(path), tp, tp_rank, map))
 
 
 def adopt(source, out, specs, common=None):

@@ -189,18 +189,20 @@ Values load_into(const fs::path& path, StateDict& state, ProcessGroup& group, Lo
   return load_into(*reader, state, group, std::move(options), replicas);
 }
 
+// Each rank maps what it can of its own request (entries whose rows no replicas share: those are read
+// in shares); a rank that fails to (a checksum mismatch) fails the load on every rank.
 LoadedState load(const CheckpointReader& reader, const StateDict& request, ProcessGroup& group, LoadOptions options,
                  ProcessGroup* replicas) {
-  Allocated a = allocate_destinations(request);
-  Values values = load_into(reader, a.state, group, std::move(options), replicas);
-  return LoadedState(std::move(a.buffers), std::move(values));
+  std::optional<Allocated> a;
+  agree(group, cat("loading ", reader.path().string()), [&] { a.emplace(map_or_allocate(reader, request, options, false)); });
+  Values values = load_into(reader, a->state, group, std::move(options), replicas);
+  return LoadedState(std::move(a->buffers), std::move(values));
 }
 
 LoadedState load(const fs::path& path, const StateDict& request, ProcessGroup& group, LoadOptions options,
                  ProcessGroup* replicas) {
-  Allocated a = allocate_destinations(request);
-  Values values = load_into(path, a.state, group, std::move(options), replicas);
-  return LoadedState(std::move(a.buffers), std::move(values));
+  const std::shared_ptr<const CheckpointReader> reader = open_agreed(path, group);
+  return load(*reader, request, group, std::move(options), replicas);
 }
 
 }  // namespace shardckpt

@@ -318,28 +318,94 @@ void require_memory_for(const StateDict& request) {
   require_host_memory(bytes, "loading this rank's tensors");
 }
 
+namespace {
+
+// A tensor asked for whole, counted as the materialization it is, in memory of its own or mapped.
+// A scalar is whole too, but one element: not what the count is for (a gather of a tensor).
+void count_whole(const ShardedTensor& t) {
+  if (t.shape.dims().size() == t.global_shape.size() &&
+      std::equal(t.global_shape.begin(), t.global_shape.end(), t.shape.dims().begin()))
+    count_materialization(cat("loading the whole tensor ", t.key),
+                          static_cast<std::size_t>(t.shape.elements()) * dtype_size(t.dtype));
+}
+// One GTP rank holding a parameter that TP does not split (TP 1, or replicated) holds it whole.
+void count_whole(const ShardedParam& p) {
+  if (!p.flat && p.gtp == 1 && (p.spec.tp == 1 || p.spec.tp_axis == TpAxis::replicated))
+    count_materialization(cat("loading the whole parameter ", p.spec.key),
+                          static_cast<std::size_t>(p.shard_shape().elements()) * dtype_size(p.dtype));
+}
+
+void require_once(const Allocated& out, const std::string& key) {
+  require(!out.buffers.contains(key), Errc::invalid_argument, "tensor ", key,
+          " appears more than once in the request: a load into new memory gives one tensor per key (load_into "
+          "fills several parts of one key)");
+}
+
+// The dataset `key` when it is the dataset of `dtype` and `global_shape` that a load would read, else
+// none (the load then reads it and names what is wrong).
+const Dataset* dataset_as_asked(const CheckpointReader& reader, std::string_view key, DType dtype,
+                                std::span<const std::int64_t> global_shape) {
+  const std::vector<Dataset>& all = reader.datasets();
+  const auto it = std::lower_bound(all.begin(), all.end(), key, [](const Dataset& d, std::string_view k) { return d.key < k; });
+  if (it == all.end() || it->key != key || it->dtype != dtype ||
+      !std::equal(it->shape.begin(), it->shape.end(), global_shape.begin(), global_shape.end()))
+    return nullptr;
+  return &*it;
+}
+
+// The part of a mapped tensor that a slab of whole rows of one dataset is, or none.
+std::optional<MapPart> part_of(const CheckpointReader& reader, const std::string& key, DType dtype,
+                               std::span<const std::int64_t> global_shape, std::span<const std::int64_t> offset,
+                               std::span<const std::int64_t> count) {
+  const Dataset* d = dataset_as_asked(reader, key, dtype, global_shape);
+  if (!d || global_shape.empty() || splits_past_dim1(global_shape, offset, count)) return std::nullopt;
+  const Box box = footprint(key, global_shape, offset, count);
+  if (box.cols != whole_box(global_shape).cols) return std::nullopt;
+  return MapPart{d, box};
+}
+
+// A tensor the request asks for, mapped when it can be.
+std::optional<SharedBuffer> mapped(const CheckpointReader& reader, const ShardedTensor& t, const ReadOptions& read) {
+  const std::optional<MapPart> part = part_of(reader, t.key, t.dtype, t.global_shape, t.global_offset, t.count());
+  if (!part) return std::nullopt;
+  return reader.map(std::span<const MapPart>(&*part, 1), t.dtype, t.shape, read);
+}
+
+// A parameter's shard is runs of rows of its datasets when its pieces, in order, fill it without
+// pad rows (a plain weight at TP 1, an unpadded shard, a fused weight's blocks at TP 1).
+std::optional<SharedBuffer> mapped(const CheckpointReader& reader, const ShardedParam& p, const ReadOptions& read) {
+  if (p.flat) return std::nullopt;
+  const RankPlan plan = plan_rank(p.spec, p.gtp, p.align, p.coord);
+  if (plan.padding_only) return std::nullopt;
+  std::vector<MapPart> parts;
+  std::int64_t row = 0;
+  for (const Piece& piece : plan.pieces) {
+    if (piece.shard_row != row) return std::nullopt;
+    const std::optional<MapPart> part =
+        part_of(reader, piece.key, p.dtype, piece.global_shape, piece.global_offset, piece.count);
+    if (!part) return std::nullopt;
+    parts.push_back(*part);
+    row += piece.rows;
+  }
+  if (row != p.shard_shape().rows()) return std::nullopt;
+  return reader.map(parts, p.dtype, p.shard_shape(), read);
+}
+
+}  // namespace
+
 Allocated allocate_destinations(const StateDict& request) {
   require_memory_for(request);
   Allocated out;
   for (ShardedTensor t : request.tensors()) {
-    // A scalar is whole too, but one element: not what the count is for (a gather of a tensor).
-    if (t.shape.dims().size() == t.global_shape.size() &&
-        std::equal(t.global_shape.begin(), t.global_shape.end(), t.shape.dims().begin()))
-      count_materialization(cat("loading the whole tensor ", t.key),
-                            static_cast<std::size_t>(t.shape.elements()) * dtype_size(t.dtype));
-    require(!out.buffers.contains(t.key), Errc::invalid_argument, "tensor ", t.key,
-            " appears more than once in the request: a load into new memory gives one tensor per key (load_into "
-            "fills several parts of one key)");
+    count_whole(t);
+    require_once(out, t.key);
     SharedBuffer b = SharedBuffer::uninitialized(t.dtype, t.shape);
     t.data = b;
     out.buffers.emplace(t.key, std::move(b));
     out.state.add(std::move(t));
   }
   for (ShardedParam p : request.params()) {
-    // One GTP rank holding a parameter that TP does not split (TP 1, or replicated) holds it whole.
-    if (!p.flat && p.gtp == 1 && (p.spec.tp == 1 || p.spec.tp_axis == TpAxis::replicated))
-      count_materialization(cat("loading the whole parameter ", p.spec.key),
-                            static_cast<std::size_t>(p.shard_shape().elements()) * dtype_size(p.dtype));
+    count_whole(p);
     SharedBuffer b = SharedBuffer::uninitialized(p.dtype, p.shard_shape());
     p.shard = b;
     out.buffers.emplace(p.spec.key, std::move(b));
@@ -349,11 +415,49 @@ Allocated allocate_destinations(const StateDict& request) {
   return out;
 }
 
+Allocated map_or_allocate(const CheckpointReader& reader, const StateDict& request, const LoadOptions& options,
+                          bool shared_too) {
+  if (!options.map || reader.contents().kind != CheckpointKind::global ||
+      (!options.expect_id.empty() && reader.contents().id != options.expect_id))
+    return allocate_destinations(request);  // the load refuses the last two itself
+  const ReadOptions read{options.method, options.verify_checksums, options.progress, options.bypass_page_cache};
+  std::map<std::string, SharedBuffer, std::less<>> maps;
+  StateDict rest;
+  for (const ShardedTensor& t : request.tensors()) {
+    std::optional<SharedBuffer> b;
+    if ((shared_too || t.replicas <= 1) && !maps.contains(t.key)) b = mapped(reader, t, read);
+    if (!b) {
+      rest.add(ShardedTensor(t));
+      continue;
+    }
+    count_whole(t);
+    maps.emplace(t.key, std::move(*b));
+  }
+  for (const ShardedParam& p : request.params()) {
+    std::optional<SharedBuffer> b;
+    if (shared_too || p.replicas <= 1) b = mapped(reader, p, read);
+    if (!b) {
+      rest.add(ShardedParam(p));
+      continue;
+    }
+    count_whole(p);
+    maps.emplace(p.spec.key, std::move(*b));
+  }
+  for (const auto& [key, value] : request.local()) rest.add_local(key, value);
+  Allocated out = allocate_destinations(rest);
+  for (auto& [key, b] : maps) {
+    require_once(out, key);
+    out.buffers.emplace(key, std::move(b));
+  }
+  return out;
+}
+
 LoadedState load(const CheckpointReader& reader, const StateDict& request, LoadOptions options) {
-  Allocated a = allocate_destinations(request);
+  Allocated a = map_or_allocate(reader, request, options, true);
   Values values = load_into(reader, a.state, options);
   return LoadedState(std::move(a.buffers), std::move(values));
 }
+
 
 LoadedState load(const fs::path& path, const StateDict& request, LoadOptions options) {
   const CheckpointReader reader(path);

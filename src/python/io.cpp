@@ -387,8 +387,9 @@ void bind_io(py::module_& m) {
         py::arg("verify_checksums") = true, py::arg("bypass_page_cache") = false);
   m.def("load",
         [](const Path& path, const PyStateDict& request, py::object group, const std::string& method,
-           bool verify_checksums) {
+           bool verify_checksums, bool map) {
           LoadOptions o = load_options(request.state, method, verify_checksums, false);
+          o.map = map;
           GroupArg g(group);
           std::optional<LoadedState> loaded;
           {
@@ -398,20 +399,20 @@ void bind_io(py::module_& m) {
           return tensors_dict(*loaded, request.state);
         },
         py::arg("path"), py::arg("request"), py::arg("group") = py::none(), py::arg("method") = "raw",
-        py::arg("verify_checksums") = true);
+        py::arg("verify_checksums") = true, py::arg("map") = true);
   m.def("read",
-        [](const Path& path, std::int64_t tp, std::int64_t tp_rank) {
+        [](const Path& path, std::int64_t tp, std::int64_t tp_rank, bool map) {
           std::optional<LoadedState> loaded;
           std::optional<StateDict> request;
           {
             py::gil_scoped_release nogil;
             const CheckpointReader reader(path);
             request.emplace(request_all(reader, LoadLayout{.tp = tp, .coord = {tp_rank, 0}}));
-            loaded.emplace(load(reader, *request));
+            loaded.emplace(load(reader, *request, {.map = map}));
           }
           return tensors_dict(*loaded, *request);
         },
-        py::arg("path"), py::arg("tp") = 1, py::arg("tp_rank") = 0);
+        py::arg("path"), py::arg("tp") = 1, py::arg("tp_rank") = 0, py::arg("map") = true);
   // The CLI's answer (src/cli/verify.cpp): verified when the checkpoint is checksummed and every row
   // matches; a checkpoint without checksums is not verified (the CLI exits 1 for it).
   m.def("verify", [](const Path& path) {

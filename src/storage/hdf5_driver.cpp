@@ -345,9 +345,11 @@ Hid create_file(Channel& channel) {
   quiet();
   const Where w{channel.file().path(), "", "create the file"};
   Hid fapl = file_access(channel, w);
-  // Objects of 64 KiB or more (tensor data) start at multiples of 4096 bytes: rows of such
-  // multiples then lie aligned for reads that bypass the page cache (io::BulkReader).
-  check(H5Pset_alignment(fapl.get(), hsize_t{64} << 10, 4096), w);
+  // Objects of 4 KiB or more (tensor data) start at multiples of 4096 bytes: rows of such multiples
+  // then lie aligned for reads that bypass the page cache (io::BulkReader), and a fused weight's
+  // blocks can be mapped one after another into one tensor (CheckpointReader::map). At most 4 KiB
+  // of padding per such dataset.
+  check(H5Pset_alignment(fapl.get(), hsize_t{4} << 10, 4096), w);
   return owned(H5Fcreate(file_label, H5F_ACC_TRUNC, H5P_DEFAULT, fapl.get()), H5Fclose, w);
 }
 

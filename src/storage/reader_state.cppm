@@ -26,6 +26,8 @@ import :seal;
 
 namespace shardckpt {
 
+struct FileMapping;  // a private mapping of the whole file (reader_map.cpp), shared by the tensors over it
+
 struct ReaderState {
   // A file beside the checkpoint that holds a dataset's bytes (HDF5 external storage), opened by the
   // reader itself: HDF5 never opens it by name.
@@ -66,6 +68,7 @@ struct ReaderState {
   std::optional<std::vector<Dataset>> all;
   std::optional<std::vector<std::pair<std::string, std::string>>> skipped;
   std::optional<std::vector<ParamRecord>> checked_params;
+  std::shared_ptr<FileMapping> mapping;  // made by the first map()
 
   [[noreturn]] void refuse(std::string_view why) const {
     throw Error(Errc::not_a_checkpoint, cat(path.string(), " is not a shardckpt checkpoint: ", why));

@@ -1,0 +1,231 @@
+// Tensors over the checkpoint file (CheckpointReader::map): where a dataset's rows lie in the file
+// exactly as a tensor's rows lie in memory, the tensor is a private mapping of them, every row
+// checked against its checksum over the mapped pages, instead of new memory the kernel must zero
+// and a copy into it. One mapping of the whole file per reader, shared by every tensor over it.
+module;
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <vector>
+module shardckpt.storage;
+import shardckpt.core;
+import shardckpt.layout;
+import shardckpt.views;
+import :raw;
+import :reader_state;
+
+namespace shardckpt {
+
+// A private, writable mapping of a whole checkpoint file (a write to a tensor over it copies the
+// page: it never reaches the file), unmapped when the last tensor over it goes. The mapping holds
+// the file's pages, not its descriptor: the reader may close first.
+struct FileMapping {
+  std::byte* base = nullptr;
+  std::size_t size = 0;
+
+  FileMapping(const io::File& f, std::uint64_t size_at_open, const std::filesystem::path& path) {
+    // The file the reader checked: the same inode (one descriptor), and still its size. A file that
+    // grew or shrank since the open was changed by someone else: its metadata no longer describes it.
+    const std::uint64_t now = f.size();
+    require(now == size_at_open, Errc::replaced, path.string(), ": the file changed since it was opened (", size_at_open,
+            " bytes then, ", now, " now): nothing is mapped");
+    require(now > 0 && now <= static_cast<std::uint64_t>(SIZE_MAX), Errc::not_a_checkpoint, path.string(),
+            ": a file of ", now, " bytes cannot be mapped");
+    size = static_cast<std::size_t>(now);
+    void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE, f.descriptor(), 0);
+    if (p == MAP_FAILED)
+      throw Error(Errc::resources, cat(path.string(), ": could not map its ", size, " bytes: ", std::strerror(errno)));
+    base = static_cast<std::byte*>(p);
+  }
+  FileMapping(const FileMapping&) = delete;
+  FileMapping& operator=(const FileMapping&) = delete;
+  ~FileMapping() { ::munmap(base, size); }
+};
+
+namespace {
+
+// One tensor's bytes inside a mapping, which lives as long as the last of them.
+class MappedRows final : public Allocation {
+ public:
+  MappedRows(std::shared_ptr<const FileMapping> mapping, std::byte* at, std::size_t bytes)
+      : Allocation(at, bytes, MemorySpace::host()), mapping_(std::move(mapping)) {}
+
+ private:
+  std::shared_ptr<const FileMapping> mapping_;
+};
+
+std::size_t page_bytes() { return static_cast<std::size_t>(::sysconf(_SC_PAGESIZE)); }
+std::size_t round_to_page(std::size_t n) { return (n + page_bytes() - 1) / page_bytes() * page_bytes(); }
+
+// A tensor joined from runs of the file (a fused weight's blocks, each whole rows of its own
+// dataset): a reserved range of addresses in which each run is mapped, privately, right after the
+// one before. Each run must start on a page of the file, and every run but the last fill whole pages.
+class JoinedRuns final : public Allocation {
+ public:
+  static std::unique_ptr<JoinedRuns> map(const io::File& f, std::span<const std::uint64_t> at,
+                                         std::span<const std::size_t> bytes, const std::filesystem::path& path) {
+    std::size_t total = 0;
+    for (std::size_t b : bytes) total += b;
+    const std::size_t reserved = round_to_page(total);
+    void* base = ::mmap(nullptr, reserved, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (base == MAP_FAILED)
+      throw Error(Errc::resources, cat(path.string(), ": could not reserve ", reserved, " bytes to map: ", std::strerror(errno)));
+    std::unique_ptr<JoinedRuns> out(new JoinedRuns(static_cast<std::byte*>(base), total, reserved));
+    std::size_t offset = 0;
+    for (std::size_t i = 0; i < at.size(); ++i) {
+      void* p = ::mmap(out->base_ + offset, round_to_page(bytes[i]), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED,
+                       f.descriptor(), static_cast<off_t>(at[i]));
+      if (p == MAP_FAILED)
+        throw Error(Errc::resources, cat(path.string(), ": could not map ", bytes[i], " bytes at ", at[i], ": ",
+                                         std::strerror(errno)));
+      offset += bytes[i];
+    }
+    return out;
+  }
+  ~JoinedRuns() override { ::munmap(base_, reserved_); }
+
+ private:
+  JoinedRuns(std::byte* base, std::size_t bytes, std::size_t reserved)
+      : Allocation(base, bytes, MemorySpace::host()), base_(base), reserved_(reserved) {}
+  std::byte* base_;
+  std::size_t reserved_;
+};
+
+// The kernel may read ahead what the checks are about to touch (best effort).
+void will_need(const std::byte* p, std::size_t bytes) {
+  const auto page = static_cast<std::uintptr_t>(page_bytes());
+  const auto begin = reinterpret_cast<std::uintptr_t>(p) / page * page;
+  const auto end = reinterpret_cast<std::uintptr_t>(p) + bytes;
+  (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_WILLNEED);
+}
+
+// A part of a mapped tensor, located in the file.
+struct Located {
+  const Dataset* d = nullptr;
+  ReaderState::Entry* e = nullptr;
+  Box box;
+  std::uint64_t at = 0;    // its first byte in the file
+  std::size_t bytes = 0;
+  const std::vector<Slab>* slabs = nullptr;  // to check it against (none: unchecked)
+};
+
+// Every row of `p`, which lies at `rows` in memory, checked against its checksum.
+void verify_rows(ReaderState& m, const Located& p, const std::byte* rows, const ReadOptions& options) {
+  const Dataset& d = *p.d;
+  const Box& box = p.box;
+  const std::int64_t es = element_bytes(d.dtype), width = box.cols.size();
+  std::int64_t covered = 0;
+  std::vector<std::uint64_t> want;
+  const auto& reach = p.e->slab_reach;
+  const auto first = std::upper_bound(reach.begin(), reach.end(), box.rows.begin) - reach.begin();
+  for (auto i = static_cast<std::size_t>(first); i < p.slabs->size() && (*p.slabs)[i].box.rows.begin < box.rows.end; ++i) {
+    const Slab& s = (*p.slabs)[i];
+    const Box sub = s.box.intersect(box);
+    if (sub.empty()) continue;
+    covered += box_elements(sub);
+    const std::int64_t unit = s.box.cols.size() * es;
+    const std::int64_t step = batch_rows(width * es, cached_read_batch);
+    for (std::int64_t r0 = sub.rows.begin; r0 < sub.rows.end; r0 += step) {
+      const std::int64_t n = std::min(r0 + step, sub.rows.end) - r0;
+      want.resize(static_cast<std::size_t>(n));
+      m.read_checksums(s.first_checksum + (r0 - s.box.rows.begin), n, want.data());
+      for (std::int64_t r = 0; r < n; ++r) {
+        const std::byte* q = rows + ((r0 + r - box.rows.begin) * width + s.box.cols.begin - box.cols.begin) * es;
+        require(row_hash(q, static_cast<std::size_t>(unit)) == want[static_cast<std::size_t>(r)], Errc::corrupt,
+                m.path.string(), ": key ", d.key, ", ", rows_text({{r0 + r, r0 + r + 1}, s.box.cols}, whole_box(d.shape)),
+                ": the bytes read differ from the bytes saved (checksum mismatch)");
+      }
+      if (options.progress) options.progress(n * sub.cols.size() * es);
+    }
+  }
+  require(covered == box_elements(box), Errc::not_a_checkpoint, m.path.string(), ": the slab table of ", d.key,
+          " does not cover ", rows_text(box, whole_box(d.shape)));
+}
+
+}  // namespace
+
+std::optional<SharedBuffer> CheckpointReader::map(std::span<const MapPart> parts, DType dtype, Extents shape,
+                                                  ReadOptions options) const {
+  ReaderState& m = *impl_;
+  if (options.method != IoMethod::raw || options.bypass_page_cache || parts.empty()) return std::nullopt;
+  const std::int64_t es = element_bytes(dtype);
+  std::vector<Located> located;
+  std::size_t total = 0;
+  for (const MapPart& part : parts) {
+    require(part.dataset != nullptr && part.dataset->dtype == dtype, Errc::invalid_argument, m.path.string(),
+            ": a mapped tensor's parts must be datasets of its dtype ", dtype_name(dtype));
+    const auto bytes = static_cast<std::size_t>(box_elements(part.box) * es);
+    check_box(*part.dataset, part.box, dtype, bytes, m.path);
+    if (part.box.empty()) return std::nullopt;
+    located.push_back({part.dataset, nullptr, part.box, 0, bytes, nullptr});
+    total += bytes;
+  }
+  require(total == static_cast<std::size_t>(shape.elements()) * dtype_size(dtype), Errc::invalid_argument,
+          m.path.string(), ": the parts of a mapped tensor hold ", total, " bytes, its shape ", dims_text(shape.dims()),
+          " holds ", static_cast<std::size_t>(shape.elements()) * dtype_size(dtype));
+  std::shared_ptr<FileMapping> whole;
+  std::unique_ptr<JoinedRuns> joined;
+  {
+    const std::lock_guard lock(m.mutex);
+    for (std::size_t i = 0; i < located.size(); ++i) {
+      Located& p = located[i];
+      p.e = &m.entry(p.d->key);
+      (void)m.info(p.d->key);
+      if (p.e->external) return std::nullopt;  // its bytes are in another file
+      const std::vector<RawRegion>& regions = m.regions_for(*p.e);
+      // One contiguous region of the whole dataset (not chunked, not filtered, the library's byte
+      // order: regions_for is empty otherwise), rows as wide as the dataset's.
+      if (regions.size() != 1 || regions[0].box != whole_box(p.d->shape) || p.box.cols != regions[0].box.cols)
+        return std::nullopt;
+      p.at = regions[0].address + static_cast<std::uint64_t>(p.box.rows.begin * p.box.cols.size() * es);
+      if (p.at % static_cast<std::uint64_t>(es) != 0) return std::nullopt;  // elements must lie aligned in memory
+      // Joined runs: each on a page of the file, all but the last whole pages.
+      if (located.size() > 1 && (p.at % page_bytes() != 0 || (i + 1 < located.size() && p.bytes % page_bytes() != 0)))
+        return std::nullopt;
+      if (options.verify && m.checksummed) p.slabs = &m.slabs_for(*p.e);
+    }
+    if (located.size() == 1) {
+      if (!m.mapping) m.mapping = std::make_shared<FileMapping>(m.file, m.file_size, m.path);
+      whole = m.mapping;
+    } else {
+      const std::uint64_t now = m.file.size();
+      require(now == m.file_size, Errc::replaced, m.path.string(), ": the file changed since it was opened (",
+              m.file_size, " bytes then, ", now, " now): nothing is mapped");
+      std::vector<std::uint64_t> at;
+      std::vector<std::size_t> bytes;
+      for (const Located& p : located) at.push_back(p.at), bytes.push_back(p.bytes);
+      joined = JoinedRuns::map(m.file, at, bytes, m.path);
+    }
+  }
+  // regions_for checked each region against the file's size at the open, which the mapping matches.
+  std::byte* rows = whole ? whole->base + located.front().at : joined->data();
+  will_need(rows, total);
+  std::size_t offset = 0;
+  for (const Located& p : located) {
+    if (p.slabs)
+      verify_rows(m, p, rows + offset, options);
+    else if (options.progress)
+      options.progress(static_cast<std::int64_t>(p.bytes));
+    offset += p.bytes;
+  }
+  if (whole) return SharedBuffer(std::make_shared<MappedRows>(std::move(whole), rows, total), dtype, shape);
+  return SharedBuffer(std::shared_ptr<Allocation>(std::move(joined)), dtype, shape);
+}
+
+std::optional<SharedBuffer> CheckpointReader::map(const Dataset& d, const Box& box, Extents shape,
+                                                  ReadOptions options) const {
+  const MapPart part{&d, box};
+  return map(std::span<const MapPart>(&part, 1), d.dtype, std::move(shape), options);
+}
+
+}  // namespace shardckpt

@@ -1,0 +1,188 @@
+// Tests for loads into new memory over the checkpoint file (LoadOptions::map, CheckpointReader::map):
+// what is mapped and what is not, that a mapped tensor is private (writes never reach the file) and
+// outlives the reader and a save that replaces the file, and that every mapped row is checked.
+#include <fstream>
+#include <sstream>
+
+#include "support.hpp"
+
+namespace {
+
+// Whether [p, p + bytes) lies inside mappings of `file` in this process (/proc/self/maps), one
+// mapping or several side by side (a tensor joined from runs of the file).
+bool mapped_from(const void* p, std::size_t bytes, const std::filesystem::path& file) {
+  std::ifstream maps("/proc/self/maps");
+  const std::string name = std::filesystem::canonical(file).string();
+  auto at = reinterpret_cast<std::uintptr_t>(p);
+  const std::uintptr_t end = at + bytes;
+  for (std::string line; std::getline(maps, line);) {  // in address order
+    if (line.size() < name.size() || line.compare(line.size() - name.size(), name.size(), name) != 0) continue;
+    std::uintptr_t begin = 0, stop = 0;
+    char dash = 0;
+    std::istringstream(line) >> std::hex >> begin >> dash >> stop;
+    if (begin <= at && at < stop) at = stop;
+    if (at >= end) return true;
+  }
+  return false;
+}
+
+bool mapped_from(const SharedBuffer& b, const std::filesystem::path& file) {
+  return mapped_from(b.view().data(), b.bytes(), file);
+}
+
+// A 256 x 64 f32 tensor "w" (64 KiB: its data aligned in the file) saved in two slabs of rows by
+// two ranks, a small one "s" and a 3-D one "k" split past dim 1 (parts of rows).
+constexpr std::int64_t rows = 256, cols = 64;
+
+float value(std::int64_t r, std::int64_t c, float salt) { return static_cast<float>(r * cols + c) + salt; }
+
+void save_tensors(const std::filesystem::path& path, float salt) {
+  run_ranks(2, [&](ProcessGroup& g) {
+    const std::int64_t half = rows / 2, first = g.rank() * half;
+    SharedBuffer w = SharedBuffer::uninitialized(DType::f32, {half, cols});
+    auto x = w.mut_view().as<float>();
+    for (std::int64_t r = 0; r < half; ++r)
+      for (std::int64_t c = 0; c < cols; ++c) x[static_cast<std::size_t>(r * cols + c)] = value(first + r, c, salt);
+    SharedBuffer k = SharedBuffer::uninitialized(DType::f32, {4, 8, 4});
+    for (float& v : k.mut_view().as<float>()) v = salt + static_cast<float>(g.rank());
+    StateDict s;
+    s.add(ShardedTensor::of("w", w, {rows, cols}, {first, 0}));
+    s.add(ShardedTensor::of("k", k, {4, 8, 8}, {0, 0, 4 * g.rank()}));
+    save(s, path, g);
+  });
+}
+
+StateDict request_of(std::int64_t first, std::int64_t n) {
+  StateDict r;
+  r.add(ShardedTensor::expect("w", DType::f32, {n, cols}, {rows, cols}, {first, 0}));
+  r.add(ShardedTensor::expect("k", DType::f32, {4, 8, 4}, {4, 8, 8}, {0, 0, 0}));
+  return r;
+}
+
+void expect_rows(TensorView t, std::int64_t first, float salt) {
+  const auto x = t.as<float>();
+  for (std::int64_t r = 0; r < t.rows(); ++r)
+    for (std::int64_t c = 0; c < cols; ++c)
+      ASSERT_EQ(x[static_cast<std::size_t>(r * cols + c)], value(first + r, c, salt)) << "row " << first + r;
+}
+
+}  // namespace
+
+// Whole rows of a contiguous dataset are a mapping of the file (across the slabs two ranks saved);
+// parts of rows (a slab split past dim 1) are read into memory; map = false reads everything.
+TEST(MappedLoad, WholeRowsAreAMappingOfTheFileAndTheRestIsRead) {
+  ScratchDir dir;
+  save_tensors(dir / "a.h5", 0.5f);
+  for (const auto& [first, n] : {std::pair<std::int64_t, std::int64_t>{0, rows}, {100, 60}}) {
+    const BufferStats before = buffer_stats();
+    const LoadedState s = load(dir / "a.h5", request_of(first, n));
+    EXPECT_EQ(buffer_stats().allocations - before.allocations, 1u);  // "k" alone
+    EXPECT_TRUE(mapped_from(s.tensor("w"), dir / "a.h5"));
+    EXPECT_FALSE(mapped_from(s.tensor("k"), dir / "a.h5"));
+    expect_rows(s.tensor("w").view(), first, 0.5f);
+    const auto k = s.tensor("k").view().as<float>();
+    EXPECT_TRUE(std::all_of(k.begin(), k.end(), [](float v) { return v == 0.5f; }));
+  }
+  const BufferStats before = buffer_stats();
+  const LoadedState copied = load(dir / "a.h5", request_of(0, rows), {.map = false});
+  EXPECT_EQ(buffer_stats().allocations - before.allocations, 2u);
+  EXPECT_FALSE(mapped_from(copied.tensor("w"), dir / "a.h5"));
+  expect_rows(copied.tensor("w").view(), 0, 0.5f);
+  // The hyperslab method and reads around the page cache read into memory too.
+  for (const LoadOptions& o : {LoadOptions{.method = IoMethod::hyperslab}, LoadOptions{.bypass_page_cache = true}}) {
+    const LoadedState s = load(dir / "a.h5", request_of(0, rows), o);
+    EXPECT_FALSE(mapped_from(s.tensor("w"), dir / "a.h5"));
+    expect_rows(s.tensor("w").view(), 0, 0.5f);
+  }
+}
+
+// A mapped tensor is private: writing it changes neither the file nor another load's tensor. It
+// outlives the reader, and a save that replaces the file (a rename) leaves it as it was.
+TEST(MappedLoad, IsPrivateAndOutlivesTheReaderAndAReplacingSave) {
+  ScratchDir dir;
+  save_tensors(dir / "a.h5", 0.5f);
+  std::optional<LoadedState> kept;
+  {
+    const CheckpointReader reader(dir / "a.h5");
+    kept.emplace(load(reader, request_of(0, rows)));
+  }
+  SharedBuffer& w = kept->tensor("w");
+  ASSERT_TRUE(mapped_from(w, dir / "a.h5"));
+  const std::string file_before = file_bytes(dir / "a.h5");
+  for (float& v : w.mut_view().as<float>()) v = -1;
+  EXPECT_EQ(file_bytes(dir / "a.h5"), file_before);
+  const LoadedState again = load(dir / "a.h5", request_of(0, rows));
+  expect_rows(again.tensor("w").view(), 0, 0.5f);
+  save_tensors(dir / "a.h5", 9.0f);  // replaces the file
+  expect_rows(again.tensor("w").view(), 0, 0.5f);
+  const LoadedState replaced = load(dir / "a.h5", request_of(0, rows));
+  expect_rows(replaced.tensor("w").view(), 0, 9.0f);
+}
+
+// Every mapped row is checked: a changed byte is Errc::corrupt naming the key and the row, never a
+// tensor with the wrong bytes; without verification the mapping shows the file as it is.
+TEST(MappedLoad, EveryMappedRowIsCheckedAgainstItsChecksum) {
+  ScratchDir dir;
+  save_tensors(dir / "a.h5", 0.5f);
+  std::string bytes = file_bytes(dir / "a.h5");
+  float needle = value(200, 3, 0.5f);
+  std::string pattern(sizeof needle, '\0');
+  std::memcpy(pattern.data(), &needle, sizeof needle);
+  const std::size_t at = bytes.find(pattern);
+  ASSERT_NE(at, std::string::npos);
+  bytes[at + 1] ^= 0x10;
+  std::ofstream(dir / "a.h5", std::ios::binary | std::ios::trunc) << bytes;
+  const Error e = error_of([&] { (void)load(dir / "a.h5", request_of(0, rows)); });
+  EXPECT_EQ(e.code(), Errc::corrupt) << e.what();
+  EXPECT_TRUE(testing_support::contains(e.what(), "key w, rows [200, 201)")) << e.what();
+  // Rows that do not meet the change load.
+  const LoadedState first_rows = load(dir / "a.h5", request_of(0, 200));
+  expect_rows(first_rows.tensor("w").view(), 0, 0.5f);
+  const LoadedState unchecked = load(dir / "a.h5", request_of(0, rows), {.verify_checksums = false});
+  EXPECT_TRUE(mapped_from(unchecked.tensor("w"), dir / "a.h5"));
+  EXPECT_NE(unchecked.tensor("w").view().as<float>()[200 * cols + 3], needle);
+}
+
+// A file that changed size after the reader checked it is refused before anything is mapped.
+TEST(MappedLoad, AFileChangedSinceTheOpenIsRefused) {
+  ScratchDir dir;
+  save_tensors(dir / "a.h5", 0.5f);
+  const CheckpointReader reader(dir / "a.h5");
+  std::ofstream(dir / "a.h5", std::ios::binary | std::ios::app) << "more";
+  const Error e = error_of([&] { (void)load(reader, request_of(0, rows)); });
+  EXPECT_EQ(e.code(), Errc::replaced) << e.what();
+  EXPECT_TRUE(testing_support::contains(e.what(), "changed since it was opened")) << e.what();
+}
+
+// A parameter's shard is mapped when its pieces fill it without pad rows (TP 1 of a plain weight or
+// of a fused one, its blocks mapped one after another; an unpadded shard), each whole rows of a
+// contiguous dataset; a shard with pad rows, or rows of a chunked dataset, is read into memory.
+TEST(MappedLoad, ParamsAreMappedWhereTheirPiecesFillTheShard) {
+  ScratchDir dir;
+  auto c = small_model();
+  c.cols = 4096;  // blocks of 64 KiB or more in whole pages: their data lies aligned in the file
+  save_model(c, {2, 2, 8, 1}, dir / "a.h5");
+  int mapped = 0, joined = 0, read = 0;
+  for (const demo::Layout l : {demo::Layout{1, 1, 0, 1}, demo::Layout{1, 4, 16, 1}}) {
+    for (int r = 0; r < l.ranks(); ++r) {
+      const StateDict request = demo::request(c, l, r);
+      const LoadedState s = load(dir / "a.h5", request);
+      EXPECT_EQ(demo::verify(c, {}, r, request, s).mismatches, 0);
+      for (const ShardedParam& p : request.params()) {
+        const RankPlan plan = plan_rank(p.spec, p.gtp, p.align, p.coord);
+        std::int64_t rows = 0;
+        for (const Piece& piece : plan.pieces) rows += piece.rows;
+        // Saved at TP 2, a weight TP splits by columns lies in column chunks (each TP rank's
+        // columns contiguous): no row of it is one run of the file.
+        const bool runs = !plan.padding_only && rows == p.shard_shape().rows() && p.spec.tp_axis != TpAxis::cols;
+        if (s.tensor(p.spec.key).bytes() < (64 << 10)) continue;  // smaller datasets need not lie aligned
+        EXPECT_EQ(mapped_from(s.tensor(p.spec.key), dir / "a.h5"), runs) << p.spec.key << " at rank " << r;
+        ++(runs ? mapped : read);
+        joined += runs && plan.pieces.size() > 1;
+      }
+    }
+  }
+  EXPECT_GT(mapped, 0);
+  EXPECT_GT(joined, 0);
+  EXPECT_GT(read, 0);
+}
