@@ -1,5 +1,7 @@
 module;
 #include <hdf5.h>
+#define XXH_INLINE_ALL
+#include <xxhash.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -14,7 +16,21 @@ import shardckpt.views;
 import :hdf5;
 import :raw;
 
+#if SHARDCKPT_XXH3_AVX2
+extern "C" __attribute__((visibility("hidden"))) std::uint64_t shardckpt_xxh3_avx2(const void* bytes, std::size_t n) noexcept;
+#endif
+
 namespace shardckpt {
+
+// XXH3-64 with the widest vectors this CPU has: the AVX2 build where it runs (the same hash).
+std::uint64_t row_hash(const void* bytes, std::size_t n) noexcept {
+#if SHARDCKPT_XXH3_AVX2
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2) return shardckpt_xxh3_avx2(bytes, n);
+#endif
+  return static_cast<std::uint64_t>(XXH3_64bits(bytes, n));
+}
+
 namespace {
 namespace fs = std::filesystem;
 using hdf5::check;

@@ -4,8 +4,6 @@
 // outside a dataset's checked raw regions.
 module;
 #include <hdf5.h>
-#define XXH_INLINE_ALL
-#include <xxhash.h>
 
 #include <algorithm>
 #include <bit>
@@ -44,7 +42,7 @@ constexpr std::int64_t max_raw_chunks = 4096;
 constexpr std::size_t max_slab_values = std::size_t{5} << 24;
 
 // The checksum of a row of a slab (docs/format.md): XXH3-64 of its stored bytes.
-inline std::uint64_t row_hash(const void* bytes, std::size_t n) noexcept { return XXH3_64bits(bytes, n); }
+std::uint64_t row_hash(const void* bytes, std::size_t n) noexcept;
 
 // "rows [a, b)", and the elements of each row when `box` is narrower than `whole`.
 std::string rows_text(const Box& box, const Box& whole);

@@ -141,9 +141,10 @@ void verify_rows(ReaderState& m, const Located& p, const std::byte* rows, const 
       m.read_checksums(s.first_checksum + (r0 - s.box.rows.begin), n, want.data());
       for (std::int64_t r = 0; r < n; ++r) {
         const std::byte* q = rows + ((r0 + r - box.rows.begin) * width + s.box.cols.begin - box.cols.begin) * es;
-        require(row_hash(q, static_cast<std::size_t>(unit)) == want[static_cast<std::size_t>(r)], Errc::corrupt,
-                m.path.string(), ": key ", d.key, ", ", rows_text({{r0 + r, r0 + r + 1}, s.box.cols}, whole_box(d.shape)),
-                ": the bytes read differ from the bytes saved (checksum mismatch)");
+        if (row_hash(q, static_cast<std::size_t>(unit)) != want[static_cast<std::size_t>(r)])  // the message only then
+          throw Error(Errc::corrupt, cat(m.path.string(), ": key ", d.key, ", ",
+                                         rows_text({{r0 + r, r0 + r + 1}, s.box.cols}, whole_box(d.shape)),
+                                         ": the bytes read differ from the bytes saved (checksum mismatch)"));
       }
       if (options.progress) options.progress(n * sub.cols.size() * es);
     }
