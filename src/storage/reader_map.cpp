@@ -211,13 +211,17 @@ std::optional<SharedBuffer> CheckpointReader::map(std::span<const MapPart> parts
   // regions_for checked each region against the file's size at the open, which the mapping matches.
   std::byte* rows = whole ? whole->base + located.front().at : joined->data();
   will_need(rows, total);
-  std::size_t offset = 0;
-  for (const Located& p : located) {
+  // Checked in file order, whatever the order of the parts in the tensor (a fused weight's blocks
+  // follow its rows, the file their keys): the kernel's readahead then sees one sequential stream.
+  std::vector<std::size_t> offsets, order;
+  for (std::size_t i = 0, at = 0; i < located.size(); at += located[i].bytes, ++i) offsets.push_back(at), order.push_back(i);
+  std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return located[a].at < located[b].at; });
+  for (const std::size_t i : order) {
+    const Located& p = located[i];
     if (p.slabs)
-      verify_rows(m, p, rows + offset, options);
+      verify_rows(m, p, rows + offsets[i], options);
     else if (options.progress)
       options.progress(static_cast<std::int64_t>(p.bytes));
-    offset += p.bytes;
   }
   if (whole) return SharedBuffer(std::make_shared<MappedRows>(std::move(whole), rows, total), dtype, shape);
   return SharedBuffer(std::shared_ptr<Allocation>(std::move(joined)), dtype, shape);
