@@ -186,3 +186,19 @@ TEST(MappedLoad, ParamsAreMappedWhereTheirPiecesFillTheShard) {
   EXPECT_GT(joined, 0);
   EXPECT_GT(read, 0);
 }
+
+// A file cut short inside a dataset's bytes is refused with the reason: nothing is mapped over
+// bytes the file does not have.
+TEST(MappedLoad, AFileCutShortIsRefusedNotMapped) {
+  ScratchDir dir;
+  save_tensors(dir / "a.h5", 0.5f);
+  const std::string bytes = file_bytes(dir / "a.h5");
+  const float needle = value(200, 3, 0.5f);
+  std::string pattern(sizeof needle, '\0');
+  std::memcpy(pattern.data(), &needle, sizeof needle);
+  const std::size_t at = bytes.find(pattern);
+  ASSERT_NE(at, std::string::npos);
+  std::filesystem::resize_file(dir / "a.h5", at);
+  const Error e = error_of([&] { (void)load(dir / "a.h5", request_of(0, rows), {.notice = [](std::string_view) {}}); });
+  EXPECT_EQ(e.code(), Errc::not_a_checkpoint) << e.what();
+}
