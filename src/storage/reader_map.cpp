@@ -153,6 +153,51 @@ void verify_rows(ReaderState& m, const Located& p, const std::byte* rows, const 
           " does not cover ", rows_text(box, whole_box(d.shape)));
 }
 
+// The memory a tensor's parts are mapped into: the reader's mapping of the whole file (one part), or
+// runs of it joined (several).
+struct Mapping {
+  std::shared_ptr<FileMapping> whole;
+  std::unique_ptr<JoinedRuns> joined;
+};
+
+// Finds each part in the file, under the reader's lock, and maps them: nothing when one cannot be
+// mapped (its tensor is then read into memory instead).
+std::optional<Mapping> locate_and_map(ReaderState& m, std::vector<Located>& located, std::int64_t es,
+                                      const ReadOptions& options) {
+  const std::lock_guard lock(m.mutex);
+  for (std::size_t i = 0; i < located.size(); ++i) {
+    Located& p = located[i];
+    p.e = &m.entry(p.d->key);
+    (void)m.info(p.d->key);
+    if (p.e->external) return std::nullopt;  // its bytes are in another file
+    const std::vector<RawRegion>& regions = m.regions_for(*p.e);
+    // One contiguous region of the whole dataset (not chunked, not filtered, the library's byte
+    // order: regions_for is empty otherwise), rows as wide as the dataset's.
+    if (regions.size() != 1 || regions[0].box != whole_box(p.d->shape) || p.box.cols != regions[0].box.cols)
+      return std::nullopt;
+    p.at = regions[0].address + static_cast<std::uint64_t>(p.box.rows.begin * p.box.cols.size() * es);
+    if (p.at % static_cast<std::uint64_t>(es) != 0) return std::nullopt;  // elements must lie aligned in memory
+    // Joined runs: each on a page of the file, all but the last whole pages.
+    if (located.size() > 1 && (p.at % page_bytes() != 0 || (i + 1 < located.size() && p.bytes % page_bytes() != 0)))
+      return std::nullopt;
+    if (options.verify && m.checksummed) p.slabs = &m.slabs_for(*p.e);
+  }
+  Mapping out;
+  if (located.size() == 1) {
+    if (!m.mapping) m.mapping = std::make_shared<FileMapping>(m.file, m.file_size, m.path);
+    out.whole = m.mapping;
+    return out;
+  }
+  const std::uint64_t now = m.file.size();
+  require(now == m.file_size, Errc::replaced, m.path.string(), ": the file changed since it was opened (", m.file_size,
+          " bytes then, ", now, " now): nothing is mapped");
+  std::vector<std::uint64_t> at;
+  std::vector<std::size_t> bytes;
+  for (const Located& p : located) at.push_back(p.at), bytes.push_back(p.bytes);
+  out.joined = JoinedRuns::map(m.file, at, bytes, m.path);
+  return out;
+}
+
 }  // namespace
 
 std::optional<SharedBuffer> CheckpointReader::map(std::span<const MapPart> parts, DType dtype, Extents shape,
@@ -174,42 +219,11 @@ std::optional<SharedBuffer> CheckpointReader::map(std::span<const MapPart> parts
   require(total == static_cast<std::size_t>(shape.elements()) * dtype_size(dtype), Errc::invalid_argument,
           m.path.string(), ": the parts of a mapped tensor hold ", total, " bytes, its shape ", dims_text(shape.dims()),
           " holds ", static_cast<std::size_t>(shape.elements()) * dtype_size(dtype));
-  std::shared_ptr<FileMapping> whole;
-  std::unique_ptr<JoinedRuns> joined;
-  {
-    const std::lock_guard lock(m.mutex);
-    for (std::size_t i = 0; i < located.size(); ++i) {
-      Located& p = located[i];
-      p.e = &m.entry(p.d->key);
-      (void)m.info(p.d->key);
-      if (p.e->external) return std::nullopt;  // its bytes are in another file
-      const std::vector<RawRegion>& regions = m.regions_for(*p.e);
-      // One contiguous region of the whole dataset (not chunked, not filtered, the library's byte
-      // order: regions_for is empty otherwise), rows as wide as the dataset's.
-      if (regions.size() != 1 || regions[0].box != whole_box(p.d->shape) || p.box.cols != regions[0].box.cols)
-        return std::nullopt;
-      p.at = regions[0].address + static_cast<std::uint64_t>(p.box.rows.begin * p.box.cols.size() * es);
-      if (p.at % static_cast<std::uint64_t>(es) != 0) return std::nullopt;  // elements must lie aligned in memory
-      // Joined runs: each on a page of the file, all but the last whole pages.
-      if (located.size() > 1 && (p.at % page_bytes() != 0 || (i + 1 < located.size() && p.bytes % page_bytes() != 0)))
-        return std::nullopt;
-      if (options.verify && m.checksummed) p.slabs = &m.slabs_for(*p.e);
-    }
-    if (located.size() == 1) {
-      if (!m.mapping) m.mapping = std::make_shared<FileMapping>(m.file, m.file_size, m.path);
-      whole = m.mapping;
-    } else {
-      const std::uint64_t now = m.file.size();
-      require(now == m.file_size, Errc::replaced, m.path.string(), ": the file changed since it was opened (",
-              m.file_size, " bytes then, ", now, " now): nothing is mapped");
-      std::vector<std::uint64_t> at;
-      std::vector<std::size_t> bytes;
-      for (const Located& p : located) at.push_back(p.at), bytes.push_back(p.bytes);
-      joined = JoinedRuns::map(m.file, at, bytes, m.path);
-    }
-  }
+  std::optional<Mapping> mapped = locate_and_map(m, located, es, options);
+  if (!mapped) return std::nullopt;
+  std::shared_ptr<FileMapping>& whole = mapped->whole;
   // regions_for checked each region against the file's size at the open, which the mapping matches.
-  std::byte* rows = whole ? whole->base + located.front().at : joined->data();
+  std::byte* rows = whole ? whole->base + located.front().at : mapped->joined->data();
   will_need(rows, total);
   // Checked in file order, whatever the order of the parts in the tensor (a fused weight's blocks
   // follow its rows, the file their keys): the kernel's readahead then sees one sequential stream.
@@ -224,7 +238,7 @@ std::optional<SharedBuffer> CheckpointReader::map(std::span<const MapPart> parts
       options.progress(static_cast<std::int64_t>(p.bytes));
   }
   if (whole) return SharedBuffer(std::make_shared<MappedRows>(std::move(whole), rows, total), dtype, shape);
-  return SharedBuffer(std::shared_ptr<Allocation>(std::move(joined)), dtype, shape);
+  return SharedBuffer(std::shared_ptr<Allocation>(std::move(mapped->joined)), dtype, shape);
 }
 
 std::optional<SharedBuffer> CheckpointReader::map(const Dataset& d, const Box& box, Extents shape,
