@@ -13,6 +13,7 @@ module;
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <set>
 #include <memory>
 #include <optional>
 #include <span>
@@ -165,6 +166,15 @@ struct LoadLayout {
 // scalar ShardedTensor (the layout's DP replica of it). What a tool that knows no model
 // (shardckpt load, reshard) asks for.
 StateDict request_all(const CheckpointReader& reader, const LoadLayout& layout);
+// Every tensor of the checkpoint at `path` in new memory, as one rank of `layout` holds it (its
+// padded shards; at TP 1 x GTP 1 the whole tensors), and its common values: the request_all of the
+// file, loaded (mapped where LoadOptions::map allows). What `shardckpt.read` and `shardckpt_read` do.
+struct ReadAll {
+  LoadedState loaded;
+  // The keys of 0-d tensors (loaded as one element of shape {1}).
+  std::set<std::string, std::less<>> scalars;
+};
+ReadAll read_all(const std::filesystem::path& path, const LoadLayout& layout, LoadOptions options = {});
 
 // The per-rank path: a rank saves its own preprocessed state (its pieces at their local shapes) to
 // its own file, and loads it back at the same layout. A padding-only rank's parameters are not in

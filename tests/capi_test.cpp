@@ -295,6 +295,136 @@ TEST_F(CApi, TheLastErrorBelongsToItsThread) {
   EXPECT_STREQ(shardckpt_last_error(), "shardckpt_state_add_int: state is NULL");
 }
 
+// A plain f32 weight of 1024 x 256 (1 MiB, whole pages in the file), saved by one process.
+class CApiRead : public CApi {
+ protected:
+  static constexpr std::int64_t big_rows = 1024, big_cols = 256;
+  std::string save_big() {
+    big_.resize(static_cast<std::size_t>(big_rows * big_cols));
+    for (std::size_t i = 0; i < big_.size(); ++i) big_[i] = static_cast<float>(i);
+    const shardckpt_section plain[] = {{"", big_rows}};
+    shardckpt_param p{};
+    p.key = "embed.weight";
+    p.sections = plain;
+    p.section_count = 1;
+    p.trailing = &big_cols;
+    p.trailing_count = 1;
+    p.tp_axis = SHARDCKPT_TP_ROWS;
+    p.tp = p.gtp = 1;
+    p.dtype = SHARDCKPT_F32;
+    p.shard = big_.data();
+    p.shard_bytes = big_.size() * sizeof(float);
+    shardckpt_state* state = shardckpt_state_new();
+    EXPECT_EQ(shardckpt_state_add_param(state, &p), SHARDCKPT_OK) << shardckpt_last_error();
+    EXPECT_EQ(shardckpt_state_add_int(state, "step", 7), SHARDCKPT_OK);
+    const std::string to = path("big.h5");
+    EXPECT_EQ(shardckpt_save(state, to.c_str()), SHARDCKPT_OK) << shardckpt_last_error();
+    shardckpt_state_free(state);
+    return to;
+  }
+  std::vector<float> big_;
+};
+
+// Whether memory at `p` is a mapping of the file at `file` (/proc/self/maps names it).
+bool mapped_from(const void* p, const std::string& file) {
+  std::FILE* maps = std::fopen("/proc/self/maps", "r");
+  if (maps == nullptr) return false;
+  char line[4096];
+  bool found = false;
+  const auto at = reinterpret_cast<std::uintptr_t>(p);
+  while (!found && std::fgets(line, sizeof line, maps)) {
+    unsigned long begin = 0, end = 0;
+    if (std::sscanf(line, "%lx-%lx", &begin, &end) == 2 && at >= begin && at < end)
+      found = std::strstr(line, fs::canonical(file).c_str()) != nullptr;
+  }
+  std::fclose(maps);
+  return found;
+}
+
+TEST_F(CApiRead, ReadGivesWholeTensorsAndValuesAndMapsWhatLiesInTheFileAsItIs) {
+  const std::string fused = save(2, 16), big = save_big();
+  for (const int map : {1, 0}) {
+    shardckpt_tensors* t = nullptr;
+    shardckpt_values* v = nullptr;
+    ASSERT_EQ(shardckpt_read(big.c_str(), 1, 0, map, &t, &v), SHARDCKPT_OK) << shardckpt_last_error();
+    ASSERT_EQ(shardckpt_tensors_count(t), 1u);
+    EXPECT_STREQ(shardckpt_tensors_key(t, 0), "embed.weight");
+    EXPECT_EQ(shardckpt_tensors_key(t, 1), nullptr);
+    shardckpt_tensor w{};
+    ASSERT_EQ(shardckpt_tensors_get(t, "embed.weight", &w), SHARDCKPT_OK) << shardckpt_last_error();
+    EXPECT_EQ(w.dtype, SHARDCKPT_F32);
+    ASSERT_EQ(w.rank, 2u);
+    EXPECT_EQ(w.shape[0], big_rows);
+    EXPECT_EQ(w.shape[1], big_cols);
+    ASSERT_EQ(w.bytes, big_.size() * sizeof(float));
+    EXPECT_EQ(std::memcmp(w.data, big_.data(), w.bytes), 0);
+    EXPECT_EQ(mapped_from(w.data, big), map == 1) << "map " << map;
+    std::int64_t step = 0;
+    EXPECT_EQ(shardckpt_values_int(v, "step", &step), SHARDCKPT_OK);
+    EXPECT_EQ(step, 7);
+    static_cast<float*>(w.data)[0] = -1;  // private memory: the file keeps its bytes
+    shardckpt_values_free(v);
+    shardckpt_tensors_free(t);
+  }
+  shardckpt_tensors* t = nullptr;
+  ASSERT_EQ(shardckpt_read(fused.c_str(), 1, 0, 1, &t, nullptr), SHARDCKPT_OK) << shardckpt_last_error();
+  shardckpt_tensor w{};
+  ASSERT_EQ(shardckpt_tensors_get(t, "layers.0.in_proj.weight", &w), SHARDCKPT_OK) << shardckpt_last_error();
+  ASSERT_EQ(w.rank, 2u);
+  EXPECT_EQ(w.shape[0], rows);  // no pad rows: the whole weight, its blocks joined in row order
+  ASSERT_EQ(w.bytes, static_cast<std::size_t>(rows * cols) * sizeof(float));
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t c = 0; c < cols; ++c) EXPECT_EQ(static_cast<const float*>(w.data)[r * cols + c], value(r, c));
+  shardckpt_tensors_free(t);
+}
+
+TEST_F(CApiRead, ATpRankReadsItsRowsAndBadArgumentsHaveCodes) {
+  const std::string big = save_big();
+  shardckpt_tensors* t = nullptr;
+  ASSERT_EQ(shardckpt_read(big.c_str(), 4, 3, 1, &t, nullptr), SHARDCKPT_OK) << shardckpt_last_error();
+  shardckpt_tensor w{};
+  ASSERT_EQ(shardckpt_tensors_get(t, "embed.weight", &w), SHARDCKPT_OK);
+  EXPECT_EQ(w.shape[0], big_rows / 4);
+  EXPECT_EQ(std::memcmp(w.data, big_.data() + 3 * big_.size() / 4, w.bytes), 0);
+  EXPECT_EQ(shardckpt_tensors_get(t, "absent", &w), SHARDCKPT_ERR_MISSING_KEY);
+  EXPECT_STREQ(shardckpt_last_error(), "tensor absent is not in what was read");
+  EXPECT_EQ(shardckpt_tensors_get(t, nullptr, &w), SHARDCKPT_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(shardckpt_tensors_get(t, "embed.weight", nullptr), SHARDCKPT_ERR_INVALID_ARGUMENT);
+  shardckpt_tensors_free(t);
+  EXPECT_EQ(shardckpt_read(big.c_str(), 1, 0, 1, nullptr, nullptr), SHARDCKPT_ERR_INVALID_ARGUMENT);
+  EXPECT_STREQ(shardckpt_last_error(), "shardckpt_read: tensors is NULL");
+  t = reinterpret_cast<shardckpt_tensors*>(&w);  // set to NULL on failure
+  EXPECT_NE(shardckpt_read(big.c_str(), 3, 0, 1, &t, nullptr), SHARDCKPT_OK);  // 1024 rows do not split by 3
+  EXPECT_EQ(t, nullptr);
+  EXPECT_NE(std::string(shardckpt_last_error()).find("embed.weight"), std::string::npos) << shardckpt_last_error();
+  EXPECT_NE(shardckpt_read(path("absent.h5").c_str(), 1, 0, 1, &t, nullptr), SHARDCKPT_OK);
+  EXPECT_EQ(shardckpt_tensors_count(nullptr), 0u);
+  EXPECT_EQ(shardckpt_tensors_key(nullptr, 0), nullptr);
+  shardckpt_tensors_free(nullptr);
+}
+
+TEST_F(CApiRead, AChangedByteInAMappedTensorIsCorruptNotATensor) {
+  const std::string big = save_big();
+  std::FILE* f = std::fopen(big.c_str(), "r+b");
+  ASSERT_NE(f, nullptr);
+  std::vector<char> bytes(static_cast<std::size_t>(fs::file_size(big)));
+  ASSERT_EQ(std::fread(bytes.data(), 1, bytes.size(), f), bytes.size());
+  const float row_700 = static_cast<float>(700 * big_cols);  // the first element of row 700
+  std::size_t at = 0;
+  for (std::size_t i = 0; i + sizeof(float) <= bytes.size() && at == 0; i += sizeof(float))
+    if (std::memcmp(bytes.data() + i, &row_700, sizeof(float)) == 0) at = i;
+  ASSERT_NE(at, 0u);
+  std::fseek(f, static_cast<long>(at), SEEK_SET);
+  std::fputc(bytes[at] ^ 1, f);
+  std::fclose(f);
+  for (const int map : {1, 0}) {
+    shardckpt_tensors* t = nullptr;
+    EXPECT_EQ(shardckpt_read(big.c_str(), 1, 0, map, &t, nullptr), SHARDCKPT_ERR_CORRUPT) << "map " << map;
+    EXPECT_EQ(t, nullptr);
+    EXPECT_NE(std::string(shardckpt_last_error()).find("rows [700, 701)"), std::string::npos) << shardckpt_last_error();
+  }
+}
+
 TEST(CApiNames, CodesAndVersionHaveNames) {
   EXPECT_STREQ(shardckpt_errc_name(SHARDCKPT_OK), "ok");
   EXPECT_STREQ(shardckpt_errc_name(SHARDCKPT_ERR_MISSING_KEY), "missing_key");

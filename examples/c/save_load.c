@@ -81,10 +81,26 @@ static int load(const char* path) {
   return 0;
 }
 
+/* The weight read into memory the library owns (a private mapping of the file where its rows lie
+ * there as the tensor holds them; here the blocks are joined from three places, so read). */
+static int read_back(const char* path) {
+  shardckpt_tensors* tensors = NULL;
+  shardckpt_tensor w;
+  if (shardckpt_read(path, 1, 0, 1, &tensors, NULL) != SHARDCKPT_OK) return fail("read");
+  if (shardckpt_tensors_get(tensors, "layers.0.qkv.weight", &w) != SHARDCKPT_OK) return fail("get");
+  if (w.dtype != SHARDCKPT_F32 || w.rank != 2 || w.shape[0] != 20 || w.shape[1] != COLS) return fail("its shape");
+  for (int64_t i = 0; i < 20 * COLS; ++i)
+    if (((const float*)w.data)[i] != (float)i) return fprintf(stderr, "element %lld differs\n", (long long)i), 1;
+  printf("read: %s [%lld, %lld], %zu bytes\n", shardckpt_tensors_key(tensors, 0), (long long)w.shape[0],
+         (long long)w.shape[1], w.bytes);
+  shardckpt_tensors_free(tensors);
+  return 0;
+}
+
 int main(int argc, char** argv) {
   if (argc != 2) {
     fprintf(stderr, "usage: %s CHECKPOINT\n", argv[0]);
     return 2;
   }
-  return save(argv[1]) || load(argv[1]) ? EXIT_FAILURE : EXIT_SUCCESS;
+  return save(argv[1]) || load(argv[1]) || read_back(argv[1]) ? EXIT_FAILURE : EXIT_SUCCESS;
 }

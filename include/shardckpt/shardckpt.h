@@ -163,6 +163,38 @@ int shardckpt_load_into(const char* path, shardckpt_state* state, shardckpt_valu
 /* The same for `ranks` state dicts run as threads (states[r] is rank r); *values from rank 0. */
 int shardckpt_load_into_ranks(const char* path, shardckpt_state* const* states, int ranks, shardckpt_values** values);
 
+/* ---- reads into new memory ----------------------------------------------------------------------- */
+
+/* Tensors a read returned, in memory the handle owns (freed with it). */
+typedef struct shardckpt_tensors shardckpt_tensors;
+
+/* One of them: row-major, `bytes` bytes at `data` (writable; NULL only when bytes is 0), of `rank`
+ * dims at `shape` (0 for a scalar). Valid until shardckpt_tensors_free. */
+typedef struct shardckpt_tensor {
+  shardckpt_dtype dtype;
+  const int64_t* shape;
+  size_t rank;
+  void* data;
+  size_t bytes;
+} shardckpt_tensor;
+
+/* Reads every tensor of the checkpoint at `path` as TP rank `tp_rank` of `tp` holds it, without
+ * padding (tp 1: whole tensors, a fused weight's blocks joined in row order), and its common values
+ * into *values when `values` is not NULL. With `map` not 0, a tensor whose rows lie in the file as
+ * it holds them (a run of rows of one contiguous dataset, or blocks on whole pages) is a private
+ * mapping of the file: its rows are checked against their checksums before the call returns, and a
+ * write to it never reaches the file; the rest is read into allocated memory, as with `map` 0. A
+ * mapping keeps the file open until the handle is freed; a file a later save replaces stays valid
+ * under it, one another program truncates does not (docs/c-api.md). */
+int shardckpt_read(const char* path, int64_t tp, int64_t tp_rank, int map, shardckpt_tensors** tensors,
+                   shardckpt_values** values);
+void shardckpt_tensors_free(shardckpt_tensors* tensors);
+size_t shardckpt_tensors_count(const shardckpt_tensors* tensors);
+/* The key of tensor `index` (keys in byte order), NULL when `index` is out of range. */
+const char* shardckpt_tensors_key(const shardckpt_tensors* tensors, size_t index);
+/* SHARDCKPT_ERR_MISSING_KEY for a key that is not there. */
+int shardckpt_tensors_get(shardckpt_tensors* tensors, const char* key, shardckpt_tensor* out);
+
 /* ---- common values ------------------------------------------------------------------------------ */
 
 void shardckpt_values_free(shardckpt_values* values);

@@ -23,6 +23,14 @@ struct shardckpt_values {
   std::vector<std::string> keys;
 };
 
+// Tensors a read returned (the loaded state owns their memory, mapped or allocated), their keys in
+// order for access by index and their shapes as the header's int64_t arrays.
+struct shardckpt_tensors {
+  shardckpt::LoadedState loaded;
+  std::vector<std::string> keys;
+  std::map<std::string, std::vector<std::int64_t>, std::less<>> shapes;
+};
+
 namespace shardckpt::capi {
 
 // Records a failure as this thread's last error and returns its code.

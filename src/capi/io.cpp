@@ -3,10 +3,12 @@
 // its checks and its errors are the C++ library's.
 #include <cstddef>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -67,6 +69,52 @@ int shardckpt_load_into_ranks(const char* path, shardckpt_state* const* states, 
       if (group.rank() == 0) first = std::move(loaded);
     });
     if (values) *values = values_of(std::move(*first));
+  });
+}
+
+int shardckpt_read(const char* path, int64_t tp, int64_t tp_rank, int map, shardckpt_tensors** tensors,
+                   shardckpt_values** values) {
+  if (values) *values = nullptr;
+  if (tensors == nullptr) return null_argument("shardckpt_read", "tensors");
+  *tensors = nullptr;
+  return guarded([&] {
+    sc::ReadAll got = sc::read_all(path_of(path), {.tp = tp, .coord = {tp_rank, 0}}, {.map = map != 0});
+    auto out = std::make_unique<shardckpt_tensors>(shardckpt_tensors{std::move(got.loaded), {}, {}});
+    for (const std::string& key : out->loaded.keys()) {
+      if (out->loaded.values().contains(key)) continue;
+      const sc::Extents& shape = out->loaded.tensor(key).shape();
+      std::vector<std::int64_t> dims;
+      if (!got.scalars.contains(key)) dims.assign(shape.dims().begin(), shape.dims().end());
+      out->shapes.emplace(key, std::move(dims));
+      out->keys.push_back(key);
+    }
+    shardckpt_values* v = values ? values_of(out->loaded.values()) : nullptr;
+    *tensors = out.release();
+    if (values) *values = v;
+  });
+}
+
+void shardckpt_tensors_free(shardckpt_tensors* tensors) { delete tensors; }
+
+size_t shardckpt_tensors_count(const shardckpt_tensors* tensors) { return tensors ? tensors->keys.size() : 0; }
+
+const char* shardckpt_tensors_key(const shardckpt_tensors* tensors, size_t index) {
+  return tensors && index < tensors->keys.size() ? tensors->keys[index].c_str() : nullptr;
+}
+
+int shardckpt_tensors_get(shardckpt_tensors* tensors, const char* key, shardckpt_tensor* out) {
+  if (tensors == nullptr) return null_argument("shardckpt_tensors_get", "tensors");
+  if (key == nullptr) return null_argument("shardckpt_tensors_get", "key");
+  if (out == nullptr) return null_argument("shardckpt_tensors_get", "out");
+  return guarded([&] {
+    const auto shape = tensors->shapes.find(std::string_view(key));
+    sc::require(shape != tensors->shapes.end(), sc::Errc::missing_key, "tensor ", key, " is not in what was read");
+    sc::SharedBuffer& b = tensors->loaded.tensor(key);
+    *out = shardckpt_tensor{.dtype = static_cast<shardckpt_dtype>(b.dtype()),
+                            .shape = shape->second.data(),
+                            .rank = shape->second.size(),
+                            .data = b.bytes() ? b.mut_view().data() : nullptr,
+                            .bytes = b.bytes()};
   });
 }
 

@@ -52,4 +52,14 @@ StateDict request_all(const CheckpointReader& reader, const LoadLayout& layout) 
   return out;
 }
 
+ReadAll read_all(const std::filesystem::path& path, const LoadLayout& layout, LoadOptions options) {
+  const CheckpointReader reader(path);
+  notice_unchecked(reader, options);
+  const StateDict request = request_all(reader, layout);
+  std::set<std::string, std::less<>> scalars;
+  for (const ShardedTensor& t : request.tensors())
+    if (t.scalar()) scalars.insert(t.key);
+  return {load(reader, request, std::move(options)), std::move(scalars)};
+}
+
 }  // namespace shardckpt

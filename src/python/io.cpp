@@ -95,10 +95,7 @@ struct GroupArg {
 };
 
 // The loaded tensors (the request's scalars as 0-d tensors) and values.
-py::dict tensors_dict(LoadedState& loaded, const StateDict& request) {
-  std::set<std::string, std::less<>> scalars;
-  for (const ShardedTensor& t : request.tensors())
-    if (t.scalar()) scalars.insert(t.key);
+py::dict tensors_dict(LoadedState& loaded, const std::set<std::string, std::less<>>& scalars) {
   py::dict out;
   for (const std::string& key : loaded.keys()) {
     if (loaded.values().contains(key)) {
@@ -396,21 +393,21 @@ void bind_io(py::module_& m) {
             py::gil_scoped_release nogil;
             loaded.emplace(load(path, request.state, g.get(), std::move(o)));
           }
-          return tensors_dict(*loaded, request.state);
+          std::set<std::string, std::less<>> scalars;
+          for (const ShardedTensor& t : request.state.tensors())
+            if (t.scalar()) scalars.insert(t.key);
+          return tensors_dict(*loaded, scalars);
         },
         py::arg("path"), py::arg("request"), py::arg("group") = py::none(), py::arg("method") = "raw",
         py::arg("verify_checksums") = true, py::arg("map") = true);
   m.def("read",
         [](const Path& path, std::int64_t tp, std::int64_t tp_rank, bool map) {
-          std::optional<LoadedState> loaded;
-          std::optional<StateDict> request;
+          std::optional<ReadAll> read;
           {
             py::gil_scoped_release nogil;
-            const CheckpointReader reader(path);
-            request.emplace(request_all(reader, LoadLayout{.tp = tp, .coord = {tp_rank, 0}}));
-            loaded.emplace(load(reader, *request, {.map = map}));
+            read.emplace(read_all(path, LoadLayout{.tp = tp, .coord = {tp_rank, 0}}, {.map = map}));
           }
-          return tensors_dict(*loaded, *request);
+          return tensors_dict(read->loaded, read->scalars);
         },
         py::arg("path"), py::arg("tp") = 1, py::arg("tp_rank") = 0, py::arg("map") = true);
   // The CLI's answer (src/cli/verify.cpp): verified when the checkpoint is checksummed and every row
