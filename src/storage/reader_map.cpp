@@ -7,15 +7,20 @@ module;
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <span>
+#include <system_error>
+#include <thread>
 #include <vector>
 module shardckpt.storage;
 import shardckpt.core;
@@ -102,7 +107,7 @@ class JoinedRuns final : public Allocation {
 };
 
 // The kernel may read ahead what the checks are about to touch (best effort).
-void will_need(const std::byte* p, std::size_t bytes) {
+void advise_pages(const std::byte* p, std::size_t bytes) {
   const auto page = static_cast<std::uintptr_t>(page_bytes());
   const auto begin = reinterpret_cast<std::uintptr_t>(p) / page * page;
   const auto end = reinterpret_cast<std::uintptr_t>(p) + bytes;
@@ -119,38 +124,116 @@ struct Located {
   const std::vector<Slab>* slabs = nullptr;  // to check it against (none: unchecked)
 };
 
-// Every row of `p`, which lies at `rows` in memory, checked against its checksum.
-void verify_rows(ReaderState& m, const Located& p, const std::byte* rows, const ReadOptions& options) {
+// The checksums of a part's rows, one run per slab it meets (slabs from `first_slab` on, in order),
+// each read in one go before the part's pages are asked for: a read of a cold checksum table queued
+// behind megabytes of readahead waits for all of it.
+struct PartChecksums {
+  std::size_t first_slab = 0;
+  Range rows;  // the part's rows
+  std::vector<std::vector<std::uint64_t>> by_slab;
+};
+
+// The slabs of `p` that may meet its rows: from the first whose rows reach past its first row.
+std::size_t first_slab(const Located& p) {
+  const auto& reach = p.e->slab_reach;
+  return static_cast<std::size_t>(std::upper_bound(reach.begin(), reach.end(), p.box.rows.begin) - reach.begin());
+}
+
+PartChecksums read_part_checksums(ReaderState& m, const Located& p) {
+  PartChecksums out{first_slab(p), p.box.rows, {}};
+  for (std::size_t i = out.first_slab; i < p.slabs->size() && (*p.slabs)[i].box.rows.begin < p.box.rows.end; ++i) {
+    const Slab& s = (*p.slabs)[i];
+    const Box sub = s.box.intersect(p.box);
+    std::vector<std::uint64_t>& sums = out.by_slab.emplace_back();
+    if (sub.empty()) continue;
+    sums.resize(static_cast<std::size_t>(sub.rows.size()));
+    m.read_checksums(s.first_checksum + (sub.rows.begin - s.box.rows.begin), sub.rows.size(), sums.data());
+  }
+  return out;
+}
+
+// Every row of `p` (rows of the part `sums` were read for), which lies at `rows` in memory, checked
+// against its checksum.
+void verify_rows(ReaderState& m, const Located& p, const std::byte* rows, const PartChecksums& sums,
+                 const ReadOptions& options) {
   const Dataset& d = *p.d;
   const Box& box = p.box;
   const std::int64_t es = element_bytes(d.dtype), width = box.cols.size();
   std::int64_t covered = 0;
-  std::vector<std::uint64_t> want;
-  const auto& reach = p.e->slab_reach;
-  const auto first = std::upper_bound(reach.begin(), reach.end(), box.rows.begin) - reach.begin();
-  for (auto i = static_cast<std::size_t>(first); i < p.slabs->size() && (*p.slabs)[i].box.rows.begin < box.rows.end; ++i) {
+  for (std::size_t i = first_slab(p); i < p.slabs->size() && (*p.slabs)[i].box.rows.begin < box.rows.end; ++i) {
     const Slab& s = (*p.slabs)[i];
     const Box sub = s.box.intersect(box);
     if (sub.empty()) continue;
     covered += box_elements(sub);
+    const std::vector<std::uint64_t>& want = sums.by_slab[i - sums.first_slab];
+    const std::int64_t base = std::max(s.box.rows.begin, sums.rows.begin);  // the row of want[0]
     const std::int64_t unit = s.box.cols.size() * es;
     const std::int64_t step = batch_rows(width * es, cached_read_batch);
     for (std::int64_t r0 = sub.rows.begin; r0 < sub.rows.end; r0 += step) {
-      const std::int64_t n = std::min(r0 + step, sub.rows.end) - r0;
-      want.resize(static_cast<std::size_t>(n));
-      m.read_checksums(s.first_checksum + (r0 - s.box.rows.begin), n, want.data());
-      for (std::int64_t r = 0; r < n; ++r) {
-        const std::byte* q = rows + ((r0 + r - box.rows.begin) * width + s.box.cols.begin - box.cols.begin) * es;
-        if (row_hash(q, static_cast<std::size_t>(unit)) != want[static_cast<std::size_t>(r)])  // the message only then
+      const std::int64_t end = std::min(r0 + step, sub.rows.end);
+      for (std::int64_t r = r0; r < end; ++r) {
+        const std::byte* q = rows + ((r - box.rows.begin) * width + s.box.cols.begin - box.cols.begin) * es;
+        if (row_hash(q, static_cast<std::size_t>(unit)) != want[static_cast<std::size_t>(r - base)])  // the message only then
           throw Error(Errc::corrupt, cat(m.path.string(), ": key ", d.key, ", ",
-                                         rows_text({{r0 + r, r0 + r + 1}, s.box.cols}, whole_box(d.shape)),
+                                         rows_text({{r, r + 1}, s.box.cols}, whole_box(d.shape)),
                                          ": the bytes read differ from the bytes saved (checksum mismatch)"));
       }
-      if (options.progress) options.progress(n * sub.cols.size() * es);
+      if (options.progress) options.progress((end - r0) * sub.cols.size() * es);
     }
   }
   require(covered == box_elements(box), Errc::not_a_checkpoint, m.path.string(), ": the slab table of ", d.key,
           " does not cover ", rows_text(box, whole_box(d.shape)));
+}
+
+// The rows of `p` checked as verify_rows does, on up to one thread per core (8 at most): hashing
+// every byte is the one CPU cost of a mapped read. The threads take runs of 1 MiB of rows in file
+// order, so that on a cold file they all follow the pages as the disk brings them, and no run is left
+// to check after the last page came. The first mismatch in row order is the one reported;
+// `options.progress` is called by one thread at a time.
+void verify_part(ReaderState& m, const Located& p, const std::byte* rows, const PartChecksums& sums,
+                 const ReadOptions& options) {
+  constexpr std::size_t run_bytes = std::size_t{1} << 20;
+  const std::int64_t n = p.box.rows.size();
+  const auto row_bytes = static_cast<std::int64_t>(p.bytes) / std::max<std::int64_t>(n, 1);
+  const std::int64_t step = std::max<std::int64_t>(1, static_cast<std::int64_t>(run_bytes) / std::max<std::int64_t>(row_bytes, 1));
+  const std::int64_t runs = (n + step - 1) / step;
+  const auto threads = std::min<std::int64_t>({std::max(1u, std::thread::hardware_concurrency()), 8, runs / 4});
+  if (threads <= 1) return verify_rows(m, p, rows, sums, options);
+  std::mutex lock;  // progress, and the first failure
+  ReadOptions each = options;
+  if (options.progress)
+    each.progress = [&](std::int64_t bytes) {
+      const std::lock_guard hold(lock);
+      options.progress(bytes);
+    };
+  std::atomic<std::int64_t> next{0};
+  std::int64_t failed_run = runs;
+  std::exception_ptr failure;
+  const auto work = [&] {
+    for (std::int64_t r = next++; r < runs; r = next++) {
+      try {
+        Located sub = p;
+        sub.box.rows = {p.box.rows.begin + r * step, std::min(p.box.rows.begin + (r + 1) * step, p.box.rows.end)};
+        verify_rows(m, sub, rows + r * step * row_bytes, sums, each);
+      } catch (...) {
+        const std::lock_guard hold(lock);
+        if (r < failed_run) failed_run = r, failure = std::current_exception();
+        next = runs;  // the others stop at their next run
+      }
+    }
+  };
+  {
+    std::vector<std::jthread> workers;
+    for (std::int64_t t = 1; t < threads; ++t) {
+      try {
+        workers.emplace_back(work);
+      } catch (const std::system_error&) {  // no thread to be had: fewer check the rows
+        break;
+      }
+    }
+    work();
+  }
+  if (failure) std::rethrow_exception(failure);
 }
 
 // The memory a tensor's parts are mapped into: the reader's mapping of the whole file (one part), or
@@ -224,16 +307,19 @@ std::optional<SharedBuffer> CheckpointReader::map(std::span<const MapPart> parts
   std::shared_ptr<FileMapping>& whole = mapped->whole;
   // regions_for checked each region against the file's size at the open, which the mapping matches.
   std::byte* rows = whole ? whole->base + located.front().at : mapped->joined->data();
-  will_need(rows, total);
   // Checked in file order, whatever the order of the parts in the tensor (a fused weight's blocks
   // follow its rows, the file their keys): the kernel's readahead then sees one sequential stream.
   std::vector<std::size_t> offsets, order;
   for (std::size_t i = 0, at = 0; i < located.size(); at += located[i].bytes, ++i) offsets.push_back(at), order.push_back(i);
   std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return located[a].at < located[b].at; });
+  std::vector<PartChecksums> sums(located.size());
+  for (const std::size_t i : order)
+    if (located[i].slabs) sums[i] = read_part_checksums(m, located[i]);
+  advise_pages(rows, total);
   for (const std::size_t i : order) {
     const Located& p = located[i];
     if (p.slabs)
-      verify_rows(m, p, rows + offsets[i], options);
+      verify_part(m, p, rows + offsets[i], sums[i], options);
     else if (options.progress)
       options.progress(static_cast<std::int64_t>(p.bytes));
   }

@@ -202,3 +202,50 @@ TEST(MappedLoad, AFileCutShortIsRefusedNotMapped) {
   const Error e = error_of([&] { (void)load(dir / "a.h5", request_of(0, rows), {.notice = [](std::string_view) {}}); });
   EXPECT_EQ(e.code(), Errc::not_a_checkpoint) << e.what();
 }
+
+// A tensor of many megabytes is checked on several threads (runs of 1 MiB of rows in file order):
+// a change in a late run is found whichever thread checks it, of two changes far apart the first in
+// row order is the one named, and the progress told adds up to the tensor's bytes.
+TEST(MappedLoad, ALargeTensorIsCheckedOnThreadsAndTheFirstChangedRowIsNamed) {
+  ScratchDir dir;
+  constexpr std::int64_t n = 4096, width = 1024;  // 16 MiB: 16 runs of 256 rows
+  const auto at = [](std::int64_t r, std::int64_t c) { return static_cast<float>(r) * 4096.0f + static_cast<float>(c); };
+  {
+    SharedBuffer w = SharedBuffer::uninitialized(DType::f32, {n, width});
+    auto x = w.mut_view().as<float>();
+    for (std::int64_t r = 0; r < n; ++r)
+      for (std::int64_t c = 0; c < width; ++c) x[static_cast<std::size_t>(r * width + c)] = at(r, c);
+    StateDict s;
+    s.add(ShardedTensor::of("big", w, {n, width}, {0, 0}));
+    run_ranks(1, [&](ProcessGroup& g) { save(s, dir / "a.h5", g); });
+  }
+  StateDict request;
+  request.add(ShardedTensor::expect("big", DType::f32, {n, width}, {n, width}, {0, 0}));
+  std::int64_t told = 0;
+  {
+    const LoadedState s = load(dir / "a.h5", request, {.progress = [&](std::int64_t b) { told += b; }});
+    ASSERT_TRUE(mapped_from(s.tensor("big"), dir / "a.h5"));
+    EXPECT_EQ(told, n * width * 4);
+    EXPECT_EQ(s.tensor("big").view().as<float>()[4000 * width + 7], at(4000, 7));
+  }
+  const std::string saved = file_bytes(dir / "a.h5");
+  const auto change = [&](std::string bytes, std::int64_t r) {
+    const float needle = at(r, 5);
+    std::string pattern(sizeof needle, '\0');
+    std::memcpy(pattern.data(), &needle, sizeof needle);
+    const std::size_t where = bytes.find(pattern);
+    EXPECT_NE(where, std::string::npos) << "row " << r;
+    if (where != std::string::npos) bytes[where + 1] ^= 0x10;
+    return bytes;
+  };
+  const auto refused = [&](const std::string& bytes) {
+    std::ofstream(dir / "a.h5", std::ios::binary | std::ios::trunc) << bytes;
+    return error_of([&] { (void)load(dir / "a.h5", request); });
+  };
+  const Error late = refused(change(saved, 4090));
+  EXPECT_EQ(late.code(), Errc::corrupt) << late.what();
+  EXPECT_TRUE(testing_support::contains(late.what(), "key big, rows [4090, 4091)")) << late.what();
+  const Error both = refused(change(change(saved, 3900), 700));
+  EXPECT_EQ(both.code(), Errc::corrupt) << both.what();
+  EXPECT_TRUE(testing_support::contains(both.what(), "key big, rows [700, 701)")) << both.what();
+}
