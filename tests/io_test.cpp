@@ -1,7 +1,8 @@
-// Tests for shardckpt.io. Bulk reads: every range, alignment and row pattern reads the file's bytes
-// whether it bypasses the page cache or not; the end of the file is the same error either way; a
-// bypassing reader leaves the page cache empty; a replaced path is never read. Names nobody can
-// plant: temporary files, their commit, destinations and directories held open.
+// Tests for the storage module's file partition (shardckpt.storage:file). Bulk reads: every range,
+// alignment and row pattern reads the file's bytes whether it bypasses the page cache or not; the
+// end of the file is the same error either way; a bypassing reader leaves the page cache empty; a
+// replaced path is never read. Names nobody can plant: temporary files, their commit, destinations
+// and directories held open.
 #include <gtest/gtest.h>
 #include <fcntl.h>
 #include <sys/stat.h>

@@ -1,6 +1,7 @@
-// Tests for shardckpt.format: a reader that refuses damaged or hostile files (incomplete, truncated,
-// with damaged metadata, hostile attributes or slab tables, virtual datasets, changed under it) with a
-// typed error instead of crashing, and replays every input of the fuzzer.
+// Tests for the storage module's format partition (shardckpt.storage:format): a reader that refuses
+// damaged or hostile files (incomplete, truncated, with damaged metadata, hostile attributes or
+// slab tables, virtual datasets, changed under it) with a typed error instead of crashing, and
+// replays every input of the fuzzer.
 #include "support.hpp"
 
 TEST(Format, FilesThatAreNotCompleteCheckpointsAreRefused) {

@@ -1,5 +1,6 @@
-// Tests for shardckpt.format: both write paths, contiguous or chunked; reads of any box, each checked
-// against its checksums; metadata; files without checksums; atomic commit; HDF5 errors by name.
+// Tests for the storage module's format partition (shardckpt.storage:format): both write paths,
+// contiguous or chunked; reads of any box, each checked against its checksums; metadata; files
+// without checksums; atomic commit; HDF5 errors by name.
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>

@@ -1,5 +1,5 @@
-// Tests for shardckpt.format: parameter records and common values, round trips at any size, and
-// records that contradict the datasets.
+// Tests for the storage module's format partition (shardckpt.storage:format): parameter records and
+// common values, round trips at any size, and records that contradict the datasets.
 #include "support.hpp"
 
 TEST(Format, ParamRecordsRoundTripAndPlanAtAnyTp) {

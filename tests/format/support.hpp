@@ -1,6 +1,7 @@
-// Helpers shared by the format suites (tests/format/*_test.cpp), the tests for shardckpt.format:
-// the HDF5 layout of a checkpoint, both write and read paths, checksums on every path, atomic commit,
-// and a reader that refuses damaged or hostile files with a typed error instead of crashing.
+// Helpers shared by the format suites (tests/format/*_test.cpp), the tests for the storage module's
+// format partition (shardckpt.storage:format): the HDF5 layout of a checkpoint, both write and read
+// paths, checksums on every path, atomic commit, and a reader that refuses damaged or hostile files
+// with a typed error instead of crashing.
 #pragma once
 #include <gtest/gtest.h>
 #include <sys/stat.h>
