@@ -140,9 +140,10 @@ Bytes planning_payload(const SavePlan& plan, const fs::path& path, int me) {
   return w.take();
 }
 
-// Where a save writes. Rank 0 creates the temporary file (and later commits it); every rank learns
-// its directory, its name and its identity, opens it and checks that it opened that very file.
-struct Destination {
+// The file a save writes, as each rank holds it (io::Destination is the path it will replace).
+// Rank 0 creates the temporary file (and later commits it); every rank learns its directory, its
+// name and its identity, opens it and checks that it opened that very file.
+struct SaveTarget {
   std::optional<io::TemporaryFile> temp;  // rank 0
   std::optional<io::File> opened;         // the other ranks
   fs::path dir;
@@ -159,7 +160,7 @@ struct Destination {
 // temporary file beside the destination (a link at `path` is followed: the checkpoint replaces its
 // target), and for every rank that file, the datasets' extents and where its checksums start.
 Bytes create_checkpoint(const std::vector<std::span<const std::byte>>& payloads, const fs::path& path,
-                        const SaveOptions& options, Destination& dest) {
+                        const SaveOptions& options, SaveTarget& dest) {
   CheckpointContents contents;
   contents.id = io::random_id();
   contents.checksummed = options.checksums;
@@ -189,7 +190,7 @@ struct Created {
   std::optional<ChecksumSlot> slot;
 };
 
-Created read_verdict(const Bytes& verdict, const SavePlan& plan, int me, int ranks, Destination& dest) {
+Created read_verdict(const Bytes& verdict, const SavePlan& plan, int me, int ranks, SaveTarget& dest) {
   Reader r(verdict);
   dest.dir = r.str();
   dest.name = r.str();
@@ -226,7 +227,7 @@ Bytes digests_payload(const Digests& d) {
   return w.take();
 }
 
-void check_digests(const std::vector<std::span<const std::byte>>& payloads, const Destination& dest,
+void check_digests(const std::vector<std::span<const std::byte>>& payloads, const SaveTarget& dest,
                    std::uint64_t verdict) {
   for (std::size_t rank = 0; rank < payloads.size(); ++rank) {
     Reader r(payloads[rank]);
@@ -243,7 +244,7 @@ void check_digests(const std::vector<std::span<const std::byte>>& payloads, cons
 // digests, seals and commits, and tells every rank. A rank whose group fails after that learns what
 // it can: rank 0 knows the checkpoint is committed (Errc::committed_peer_failed), the others that
 // the outcome is unknown to them.
-void commit(ProcessGroup& group, Destination& dest, const Digests& mine) {
+void commit(ProcessGroup& group, SaveTarget& dest, const Digests& mine) {
   const std::string_view phase = "committing the checkpoint";
   const std::vector<Bytes> gathered = Protocol::gather(group, outcome([&] {
     if (dest.opened) dest.opened->close();
@@ -274,7 +275,7 @@ void commit(ProcessGroup& group, Destination& dest, const Digests& mine) {
 // Every rank writes its own pieces and their checksums: all at once on the raw path; on the
 // hyperslab path one rank at a time, since HDF5 must not have one file open for writing in two
 // processes. Each rank first opens the temporary file rank 0 created and checks that it is that file.
-void write_pieces(ProcessGroup& group, const SavePlan& plan, const Created& created, Destination& dest,
+void write_pieces(ProcessGroup& group, const SavePlan& plan, const Created& created, SaveTarget& dest,
                   const SaveOptions& options, const RowsStaged& staged) {
   agree(group, "opening the temporary file", [&] {
     if (!dest.temp) dest.opened.emplace(io::TemporaryFile::open_created(dest.dir, dest.name, dest.identity));
@@ -303,7 +304,7 @@ void save_with(const std::function<SavePlan()>& make_plan, const fs::path& path,
   const auto phase = [&](SavePhase p) {
     if (me == 0 && options.on_phase) options.on_phase(p);
   };
-  Destination dest;
+  SaveTarget dest;
   try {
     SavePlan plan;
     Digests digests;

@@ -129,7 +129,7 @@ using Tree = std::map<std::string, Slot, std::less<>>;
 void load_tensors(Source& src, StateDict& state, const LoadOptions& options, Tree& tree) {
   for (ShardedTensor& t : state.tensors()) {
     const std::string who = cat("tensor ", t.key);
-    const MutTensorView dst = destination(t.data, t.dtype, t.shape, who);
+    const MutTensorView dst = load_view(t.data, t.dtype, t.shape, who);
     const Range mine = own_rows(t.shape.rows(), t.replica_id, t.replicas, options.read_own_share && !src.local());
     if (splits_past_dim1(t.global_shape, t.global_offset, t.count())) {
       for (const SlabPart& part : slab_parts(t.key, t.global_shape, t.global_offset, t.count()))
@@ -152,7 +152,7 @@ void load_params(Source& src, StateDict& state, const LoadOptions& options, Tree
   for (ShardedParam& p : state.params()) {
     const RankPlan plan = plan_rank(p.spec, p.gtp, p.align, p.coord);
     if (plan.padding_only) continue;
-    const MutTensorView dst = destination(p.shard, p.dtype, p.shard_shape(), p.describe());
+    const MutTensorView dst = load_view(p.shard, p.dtype, p.shard_shape(), p.describe());
     const std::int64_t c = plan.row_elems;
     if (p.flat) {
       for (const Piece& piece : plan.pieces)
@@ -200,7 +200,7 @@ void merge_factories(Source& src, StateDict& state, Tree& tree) {
     if (const auto* placeholder = std::get_if<Placeholder>(&it->second)) {
       require(placeholder->shape == p.padded_shape().with_rows(0), Errc::shape_mismatch, p.describe(),
               ": its placeholder does not have the factory's trailing shape");
-      const MutTensorView dst = destination(p.shard, p.dtype, p.shard_shape(), p.describe());
+      const MutTensorView dst = load_view(p.shard, p.dtype, p.shard_shape(), p.describe());
       src.zero(dst);
       it->second = dst;
     }
@@ -252,7 +252,7 @@ std::vector<LoadTarget> load_targets(StateDict& state) {
   std::vector<LoadTarget> out;
   const auto add = [&](TensorRef& ref, DType dtype, const Extents& shape, const std::string& key,
                        std::string_view who) {
-    const MutTensorView dst = destination(ref, dtype, shape, who);
+    const MutTensorView dst = load_view(ref, dtype, shape, who);
     const auto begin = reinterpret_cast<std::uintptr_t>(dst.data());
     if (dst.bytes() > 0) out.push_back({key, dst.space(), begin, begin + dst.bytes()});
   };

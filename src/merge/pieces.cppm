@@ -46,8 +46,9 @@ inline void check_dataset(const Dataset& d, DType dtype, std::span<const std::in
           dims_text(global_shape));
 }
 
-// The destination of an entry must be there, of its dtype and shape, and writable.
-inline MutTensorView destination(TensorRef& ref, DType dtype, const Extents& shape, std::string_view who) {
+// The view a load writes an entry into: its destination, which must be there, of its dtype and shape,
+// and writable.
+inline MutTensorView load_view(TensorRef& ref, DType dtype, const Extents& shape, std::string_view who) {
   require(static_cast<bool>(ref), Errc::invalid_argument, who, ": the request has no destination to load into");
   require(ref.dtype() == dtype && ref.shape() == shape, Errc::shape_mismatch, who, ": the destination is ",
           dtype_name(ref.dtype()), " ", dims_text(ref.shape().dims()), ", not ", dtype_name(dtype), " ",
