@@ -192,12 +192,12 @@ void verify_rows(ReaderState& m, const Located& p, const std::byte* rows, const 
 // `options.progress` is called by one thread at a time.
 void verify_part(ReaderState& m, const Located& p, const std::byte* rows, const PartChecksums& sums,
                  const ReadOptions& options) {
-  constexpr std::size_t run_bytes = std::size_t{1} << 20;
-  const std::int64_t n = p.box.rows.size();
-  const auto row_bytes = static_cast<std::int64_t>(p.bytes) / std::max<std::int64_t>(n, 1);
-  const std::int64_t step = std::max<std::int64_t>(1, static_cast<std::int64_t>(run_bytes) / std::max<std::int64_t>(row_bytes, 1));
+  constexpr std::int64_t run_bytes = std::int64_t{1} << 20;
+  const std::int64_t n = p.box.rows.size(), row_bytes = p.box.cols.size() * element_bytes(p.d->dtype);
+  const std::int64_t step = batch_rows(row_bytes, run_bytes);  // rows per run
   const std::int64_t runs = (n + step - 1) / step;
-  const auto threads = std::min<std::int64_t>({std::max(1u, std::thread::hardware_concurrency()), 8, runs / 4});
+  static const std::int64_t cores = std::max(1u, std::thread::hardware_concurrency());  // asked once
+  const std::int64_t threads = std::min<std::int64_t>({cores, 8, runs / 4});
   if (threads <= 1) return verify_rows(m, p, rows, sums, options);
   std::mutex lock;  // progress, and the first failure
   ReadOptions each = options;

@@ -30,6 +30,13 @@ bool mapped_from(const SharedBuffer& b, const std::filesystem::path& file) {
   return mapped_from(b.view().data(), b.bytes(), file);
 }
 
+// Where the bytes of `v` first lie in a file's `bytes` (npos: nowhere).
+std::size_t offset_of(const std::string& bytes, float v) {
+  std::string pattern(sizeof v, '\0');
+  std::memcpy(pattern.data(), &v, sizeof v);
+  return bytes.find(pattern);
+}
+
 // A 256 x 64 f32 tensor "w" (64 KiB: its data aligned in the file) saved in two slabs of rows by
 // two ranks, a small one "s" and a 3-D one "k" split past dim 1 (parts of rows).
 constexpr std::int64_t rows = 256, cols = 64;
@@ -125,10 +132,8 @@ TEST(MappedLoad, EveryMappedRowIsCheckedAgainstItsChecksum) {
   ScratchDir dir;
   save_tensors(dir / "a.h5", 0.5f);
   std::string bytes = file_bytes(dir / "a.h5");
-  float needle = value(200, 3, 0.5f);
-  std::string pattern(sizeof needle, '\0');
-  std::memcpy(pattern.data(), &needle, sizeof needle);
-  const std::size_t at = bytes.find(pattern);
+  const float needle = value(200, 3, 0.5f);
+  const std::size_t at = offset_of(bytes, needle);
   ASSERT_NE(at, std::string::npos);
   bytes[at + 1] ^= 0x10;
   std::ofstream(dir / "a.h5", std::ios::binary | std::ios::trunc) << bytes;
@@ -193,10 +198,7 @@ TEST(MappedLoad, AFileCutShortIsRefusedNotMapped) {
   ScratchDir dir;
   save_tensors(dir / "a.h5", 0.5f);
   const std::string bytes = file_bytes(dir / "a.h5");
-  const float needle = value(200, 3, 0.5f);
-  std::string pattern(sizeof needle, '\0');
-  std::memcpy(pattern.data(), &needle, sizeof needle);
-  const std::size_t at = bytes.find(pattern);
+  const std::size_t at = offset_of(bytes, value(200, 3, 0.5f));
   ASSERT_NE(at, std::string::npos);
   std::filesystem::resize_file(dir / "a.h5", at);
   const Error e = error_of([&] { (void)load(dir / "a.h5", request_of(0, rows), {.notice = [](std::string_view) {}}); });
@@ -230,10 +232,7 @@ TEST(MappedLoad, ALargeTensorIsCheckedOnThreadsAndTheFirstChangedRowIsNamed) {
   }
   const std::string saved = file_bytes(dir / "a.h5");
   const auto change = [&](std::string bytes, std::int64_t r) {
-    const float needle = at(r, 5);
-    std::string pattern(sizeof needle, '\0');
-    std::memcpy(pattern.data(), &needle, sizeof needle);
-    const std::size_t where = bytes.find(pattern);
+    const std::size_t where = offset_of(bytes, at(r, 5));
     EXPECT_NE(where, std::string::npos) << "row " << r;
     if (where != std::string::npos) bytes[where + 1] ^= 0x10;
     return bytes;
