@@ -470,12 +470,12 @@ std::int64_t gather_save(const ModelConfig& config, const Layout& layout, const 
   require(layout.dp == 1 && static_cast<int>(models.size()) == layout.ranks(), Errc::invalid_argument,
           "gather_save needs one model per rank of a DP-1 layout");
   const GatherPlan plan = plan_gather(config, layout);
-  io::TemporaryFile temp = io::TemporaryFile::create(io::Destination::of(path));
-  const Skeleton skeleton = create_skeleton(
-      temp.file(), plan.datasets,
+  CheckpointWriter checkpoint = CheckpointWriter::create(
+      io::Destination::of(path), plan.datasets,
       {CheckpointKind::global, plan.records, {{"iteration", iteration}, {"model_config", config_json(config)}}, io::random_id()},
       plan.checksum_rows);
-  PieceWriter writer(temp.file(), IoMethod::raw, ChecksumSlot{skeleton.checksums_address, 0});
+  const Skeleton& skeleton = checkpoint.skeleton();
+  PieceWriter writer = checkpoint.pieces(IoMethod::raw, 0);
   std::int64_t peak = 0;
   const auto& writes = plan.writes;
   for (std::size_t w = 0; w < writes.size();) {
@@ -487,9 +487,7 @@ std::int64_t gather_save(const ModelConfig& config, const Layout& layout, const 
       writer.write(skeleton.datasets[writes[w].dataset], writes[w].offset, writes[w].count,
                    weight.view().slice_rows(writes[w].block.local_rows.begin, writes[w].block.local_rows.end));
   }
-  writer.finish();
-  mark_complete(temp.file(), skeleton.data);
-  temp.commit();
+  std::move(checkpoint).written(writer.finish()).seal().commit();
   return peak;
 }
 

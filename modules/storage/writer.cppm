@@ -45,6 +45,24 @@ struct ChecksumSlot {
   std::int64_t first_checksum = 0;
 };
 
+class PieceWriter;
+class CheckpointWriter;
+
+// Proof that a writer's pieces and their checksums reached stable storage. Only PieceWriter::finish
+// and CheckpointWriter::write_checksums make one, and only the checkpoint of the same file takes it
+// (CheckpointWriter::written): a checkpoint cannot be sealed before its own pieces are written.
+class [[nodiscard]] PiecesWritten {
+ public:
+  PiecesWritten(PiecesWritten&&) noexcept = default;
+  PiecesWritten& operator=(PiecesWritten&&) noexcept = default;
+
+ private:
+  friend class PieceWriter;
+  friend class CheckpointWriter;
+  explicit PiecesWritten(const io::File& file) noexcept : file_(&file) {}
+  const io::File* file_;  // compared, never followed: which file the pieces went to
+};
+
 // Writes pieces into a skeleton and the checksum of every row it writes. Writes copy nothing: HDF5
 // or pwrite read the caller's rows. The checksums of its rows fill the table from the slot's first
 // unit on, in write order, which must be the order the skeleton's slabs were planned in. No slot:
@@ -64,18 +82,86 @@ class PieceWriter {
   void write(const Dataset& dataset, std::span<const std::int64_t> offset, std::span<const std::int64_t> count,
              TensorView src);
   // Writes the checksums and flushes everything to stable storage, checking every step.
-  void finish();
+  PiecesWritten finish();
 
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
 
+class WrittenCheckpoint;
+class SealedCheckpoint;
+struct CheckpointState;
+
+// The one way to write a checkpoint file, each step a type: created (the skeleton in a fresh
+// temporary file beside the destination, storage:file) -> written (this writer's pieces on stable
+// storage, and those of the other ranks the caller waited for) -> sealed (marked complete, its
+// metadata sealed) -> committed (renamed over the destination). Each step consumes the one before
+// (`std::move(w).written(...)`), so steps out of order do not compile, and a step taken twice on one
+// object is a -Wconsumed diagnostic (an error in this project's flags) and, where the analysis cannot
+// see it, an Error{Errc::invalid_argument} at run time. A checkpoint dropped at any step before its
+// commit removes its temporary file. Moving a step keeps the file where it is: a PieceWriter made by
+// pieces() stays valid until the commit.
+class [[clang::consumable(unconsumed)]] CheckpointWriter {
+ public:
+  // Creates the temporary file beside `dest` and the skeleton in it (create_skeleton).
+  static CheckpointWriter create(io::Destination dest, std::span<const Dataset> datasets,
+                                 const CheckpointContents& contents, std::int64_t checksum_rows);
+  CheckpointWriter(CheckpointWriter&&) noexcept;
+  CheckpointWriter& operator=(CheckpointWriter&&) noexcept;
+  ~CheckpointWriter();
+
+  [[clang::callable_when(unconsumed)]] const Skeleton& skeleton() const [[clang::lifetimebound]];
+  // The temporary file (its name and identity tell other ranks which file to open).
+  [[clang::callable_when(unconsumed)]] const io::TemporaryFile& temporary() const [[clang::lifetimebound]];
+  // A writer of pieces into this file whose checksums fill the table from `first_checksum` on (none:
+  // the checkpoint has no checksums).
+  [[clang::callable_when(unconsumed)]] PieceWriter pieces(IoMethod method, std::optional<std::int64_t> first_checksum,
+                                                          BytesDone progress = {}) [[clang::lifetimebound]];
+  // For data outside the file (an adopted one): the checksum table written whole and synced.
+  [[clang::callable_when(unconsumed)]] PiecesWritten write_checksums(std::span<const std::uint64_t> hashes);
+  // The next step, given the proof that this file's pieces are written.
+  [[clang::callable_when(unconsumed)]] [[clang::set_typestate(consumed)]] WrittenCheckpoint written(PiecesWritten done) &&;
+
+ private:
+  explicit CheckpointWriter(std::unique_ptr<CheckpointState> state) noexcept;
+  std::unique_ptr<CheckpointState> state_;
+};
+
+class [[clang::consumable(unconsumed)]] WrittenCheckpoint {
+ public:
+  WrittenCheckpoint(WrittenCheckpoint&&) noexcept;
+  WrittenCheckpoint& operator=(WrittenCheckpoint&&) noexcept;
+  ~WrittenCheckpoint();
+  // Marks the checkpoint complete and seals it (mark_complete).
+  [[clang::callable_when(unconsumed)]] [[clang::set_typestate(consumed)]] SealedCheckpoint seal() &&;
+
+ private:
+  friend class CheckpointWriter;
+  explicit WrittenCheckpoint(std::unique_ptr<CheckpointState> state) noexcept;
+  std::unique_ptr<CheckpointState> state_;
+};
+
+class [[clang::consumable(unconsumed)]] SealedCheckpoint {
+ public:
+  SealedCheckpoint(SealedCheckpoint&&) noexcept;
+  SealedCheckpoint& operator=(SealedCheckpoint&&) noexcept;
+  ~SealedCheckpoint();
+  // Renames the file over its destination (io::TemporaryFile::commit); the last step.
+  [[clang::callable_when(unconsumed)]] [[clang::set_typestate(consumed)]] void commit() &&;
+
+ private:
+  friend class WrittenCheckpoint;
+  explicit SealedCheckpoint(std::unique_ptr<CheckpointState> state) noexcept;
+  std::unique_ptr<CheckpointState> state_;
+};
+
 // Marks a fully written skeleton complete, then seals it: for every 4 KiB page of the file that
 // holds bytes outside `data` (its HDF5 metadata), the XXH3-64 of those bytes goes into a trailer
 // past HDF5's end of the file, which a reader checks before HDF5 parses anything and again on every
 // read HDF5 makes, so that damaged or changed metadata is refused rather than trusted to HDF5's
-// parser. Flushes to disk. The caller then commits the file (io::TemporaryFile::commit).
+// parser. Flushes to disk. The caller then commits the file (io::TemporaryFile::commit). A save
+// takes these steps through CheckpointWriter; tests call them alone.
 void mark_complete(io::File& file, std::span<const Range> data);
 
 }  // namespace shardckpt

@@ -141,19 +141,17 @@ Bytes planning_payload(const SavePlan& plan, const fs::path& path, int me) {
 }
 
 // The file a save writes, as each rank holds it (io::Destination is the path it will replace).
-// Rank 0 creates the temporary file (and later commits it); every rank learns its directory, its
-// name and its identity, opens it and checks that it opened that very file.
+// Rank 0 creates the checkpoint in a temporary file (and later seals and commits it); every rank
+// learns its directory, its name and its identity, opens it and checks that it opened that very file.
 struct SaveTarget {
-  std::optional<io::TemporaryFile> temp;  // rank 0
-  std::optional<io::File> opened;         // the other ranks
+  std::optional<CheckpointWriter> checkpoint;  // rank 0
+  std::optional<PiecesWritten> mine;           // rank 0: its own pieces, written
+  std::optional<io::File> opened;              // the other ranks
   fs::path dir;
   std::string name;
   io::SharedIdentity identity;
-  std::vector<Range> data;  // rank 0: the skeleton's raw data byte ranges, which the seal leaves out
   std::vector<std::uint64_t> received;  // rank 0: the digest of each rank's planning payload, as received
   bool committed = false;               // rank 0: the checkpoint is at its path
-
-  io::File& file() { return temp ? temp->file() : *opened; }
 };
 
 // Rank 0's verdict on every rank's plan: validated together, the skeleton created in a fresh
@@ -169,13 +167,12 @@ Bytes create_checkpoint(const std::vector<std::span<const std::byte>>& payloads,
   if (!options.checksums) planned.checksum_rows = 0;
   io::Destination where = io::Destination::of(path);
   dest.dir = where.path.parent_path();
-  dest.temp.emplace(io::TemporaryFile::create(std::move(where)));
-  const Skeleton skeleton = create_skeleton(dest.temp->file(), planned.specs, contents, planned.checksum_rows);
-  dest.data = skeleton.data;
+  dest.checkpoint.emplace(CheckpointWriter::create(std::move(where), planned.specs, contents, planned.checksum_rows));
+  const Skeleton& skeleton = dest.checkpoint->skeleton();
   Writer w;
   w.str(dest.dir.string());
-  w.str(dest.temp->name());
-  put_identity(w, dest.temp->identity());
+  w.str(dest.checkpoint->temporary().name());
+  put_identity(w, dest.checkpoint->temporary().identity());
   w.i64(static_cast<std::int64_t>(skeleton.datasets.size()));
   for (const Dataset& d : skeleton.datasets) put_dataset(w, d);
   w.i64(static_cast<std::int64_t>(skeleton.checksums_address));
@@ -254,8 +251,8 @@ void commit(ProcessGroup& group, SaveTarget& dest, const Digests& mine) {
   if (group.rank() == 0)
     verdict = outcome([&] {
       check_digests(payloads_or_throw(phase, gathered), dest, mine.verdict);
-      mark_complete(dest.temp->file(), dest.data);
-      dest.temp->commit();
+      require(dest.checkpoint && dest.mine, Errc::internal, "rank 0 seals a checkpoint it did not write its pieces of");
+      std::move(*dest.checkpoint).written(std::move(*dest.mine)).seal().commit();
       dest.committed = true;
       return Bytes();
     });
@@ -278,12 +275,16 @@ void commit(ProcessGroup& group, SaveTarget& dest, const Digests& mine) {
 void write_pieces(ProcessGroup& group, const SavePlan& plan, const Created& created, SaveTarget& dest,
                   const SaveOptions& options, const RowsStaged& staged) {
   agree(group, "opening the temporary file", [&] {
-    if (!dest.temp) dest.opened.emplace(io::TemporaryFile::open_created(dest.dir, dest.name, dest.identity));
+    if (!dest.checkpoint) dest.opened.emplace(io::TemporaryFile::open_created(dest.dir, dest.name, dest.identity));
   });
   const auto write_mine = [&] {
-    PieceWriter writer(dest.file(), options.method, created.slot, options.progress);
+    std::optional<std::int64_t> first;
+    if (created.slot) first = created.slot->first_checksum;
+    PieceWriter writer = dest.checkpoint ? dest.checkpoint->pieces(options.method, first, options.progress)
+                                         : PieceWriter(*dest.opened, options.method, created.slot, options.progress);
     write_items(plan, created.datasets, writer, options.staging, staged);
-    writer.finish();
+    PiecesWritten done = writer.finish();
+    if (dest.checkpoint) dest.mine.emplace(std::move(done));
   };
   if (options.method == IoMethod::raw) return agree(group, "writing pieces", write_mine);
   for (int turn = 0; turn < group.size(); ++turn)
@@ -333,7 +334,7 @@ void save_with(const std::function<SavePlan()>& make_plan, const fs::path& path,
     phase(SavePhase::committed);
   } catch (Error& e) {
     // Unless rank 0 committed it, the temporary file it created goes (after a commit, nothing does).
-    if (dest.temp) dest.temp->discard();
+    dest.checkpoint.reset();
     throw std::move(e.add_context(cat("saving ", path.string())));
   }
 }

@@ -46,15 +46,12 @@ void save_local(const StateDict& state, const fs::path& path, IoMethod method) {
     checksum_rows += checksum_rows_of(whole);
   }
   try {
-    io::TemporaryFile temp = io::TemporaryFile::create(io::Destination::of(path));
-    const Skeleton skeleton =
-        create_skeleton(temp.file(), specs, {CheckpointKind::local, plan.params, plan.common, io::random_id()}, checksum_rows);
-    PieceWriter writer(temp.file(), method, ChecksumSlot{skeleton.checksums_address, 0});
+    CheckpointWriter checkpoint = CheckpointWriter::create(
+        io::Destination::of(path), specs, {CheckpointKind::local, plan.params, plan.common, io::random_id()}, checksum_rows);
+    PieceWriter writer = checkpoint.pieces(method, 0);
     for (std::size_t n = 0; n < plan.items.size(); ++n)
-      writer.write(skeleton.datasets[n], whole_box(plan.items[n].data.shape().dims()), plan.items[n].data);
-    writer.finish();
-    mark_complete(temp.file(), skeleton.data);
-    temp.commit();
+      writer.write(checkpoint.skeleton().datasets[n], whole_box(plan.items[n].data.shape().dims()), plan.items[n].data);
+    std::move(checkpoint).written(writer.finish()).seal().commit();
   } catch (Error& e) {
     throw std::move(e.add_context(cat("while saving the local checkpoint ", path.string())));
   }

@@ -262,13 +262,10 @@ AdoptReport adopt(const fs::path& plain, const fs::path& out, const std::vector<
       report.bytes += element_count(d.shape) * element_bytes(d.dtype);
     }
     const std::vector<std::uint64_t> hashes = row_hashes(f, sets);
-    io::TemporaryFile temp = io::TemporaryFile::create(std::move(dest));
-    const Skeleton skeleton =
-        create_skeleton(temp.file(), specs, {CheckpointKind::global, records, common, io::random_id()}, checksum_rows);
-    if (!hashes.empty())
-      temp.file().pwrite_all(hashes.data(), hashes.size() * sizeof(std::uint64_t), skeleton.checksums_address);
-    mark_complete(temp.file(), skeleton.data);
-    temp.commit();
+    CheckpointWriter checkpoint = CheckpointWriter::create(
+        std::move(dest), specs, {CheckpointKind::global, records, common, io::random_id()}, checksum_rows);
+    PiecesWritten done = checkpoint.write_checksums(hashes);
+    std::move(checkpoint).written(std::move(done)).seal().commit();
     report.tensors = static_cast<std::int64_t>(sets.size());
     report.params = static_cast<std::int64_t>(records.size());
     return report;

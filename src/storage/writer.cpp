@@ -321,11 +321,12 @@ void PieceWriter::write(const Dataset& d, std::span<const std::int64_t> offset,
   write(d, box_of(d, offset, count), src);
 }
 
-void PieceWriter::finish() {
+PiecesWritten PieceWriter::finish() {
   Impl& m = *impl_;
   m.flush_hashes();
   m.sink->finish();
   m.file.sync();
+  return PiecesWritten(m.file);
 }
 
 void mark_complete(io::File& f, std::span<const Range> data) {
@@ -340,6 +341,80 @@ void mark_complete(io::File& f, std::span<const Range> data) {
   }
   write_seal(f, data);
   f.sync();
+}
+
+// What every step of a CheckpointWriter holds, on the heap so that a PieceWriter over its file
+// stays valid while the steps move.
+struct CheckpointState {
+  io::TemporaryFile temp;
+  Skeleton skeleton;
+};
+
+namespace {
+
+CheckpointState& state_of(const std::unique_ptr<CheckpointState>& state, std::string_view step) {
+  require(state != nullptr, Errc::invalid_argument, "a checkpoint step taken on a checkpoint that has moved on (",
+          step, "): each step consumes the one before");
+  return *state;
+}
+
+}  // namespace
+
+CheckpointWriter CheckpointWriter::create(io::Destination dest, std::span<const Dataset> datasets,
+                                          const CheckpointContents& contents, std::int64_t checksum_rows) {
+  io::TemporaryFile temp = io::TemporaryFile::create(std::move(dest));
+  Skeleton skeleton = create_skeleton(temp.file(), datasets, contents, checksum_rows);
+  return CheckpointWriter(std::make_unique<CheckpointState>(std::move(temp), std::move(skeleton)));
+}
+
+CheckpointWriter::CheckpointWriter(std::unique_ptr<CheckpointState> state) noexcept : state_(std::move(state)) {}
+CheckpointWriter::CheckpointWriter(CheckpointWriter&&) noexcept = default;
+CheckpointWriter& CheckpointWriter::operator=(CheckpointWriter&&) noexcept = default;
+CheckpointWriter::~CheckpointWriter() = default;
+
+const Skeleton& CheckpointWriter::skeleton() const { return state_of(state_, "skeleton").skeleton; }
+const io::TemporaryFile& CheckpointWriter::temporary() const { return state_of(state_, "temporary").temp; }
+
+PieceWriter CheckpointWriter::pieces(IoMethod method, std::optional<std::int64_t> first_checksum, BytesDone progress) {
+  CheckpointState& s = state_of(state_, "pieces");
+  std::optional<ChecksumSlot> slot;
+  if (first_checksum) slot = ChecksumSlot{s.skeleton.checksums_address, *first_checksum};
+  return PieceWriter(s.temp.file(), method, slot, std::move(progress));
+}
+
+PiecesWritten CheckpointWriter::write_checksums(std::span<const std::uint64_t> hashes) {
+  CheckpointState& s = state_of(state_, "write_checksums");
+  if (!hashes.empty()) s.temp.file().pwrite_all(hashes.data(), hashes.size_bytes(), s.skeleton.checksums_address);
+  s.temp.file().sync();
+  return PiecesWritten(s.temp.file());
+}
+
+WrittenCheckpoint CheckpointWriter::written(PiecesWritten done) && {
+  CheckpointState& s = state_of(state_, "written");
+  require(done.file_ == &s.temp.file(), Errc::invalid_argument,
+          "the pieces written are of another file than the checkpoint ", s.temp.destination().shown);
+  return WrittenCheckpoint(std::move(state_));
+}
+
+WrittenCheckpoint::WrittenCheckpoint(std::unique_ptr<CheckpointState> state) noexcept : state_(std::move(state)) {}
+WrittenCheckpoint::WrittenCheckpoint(WrittenCheckpoint&&) noexcept = default;
+WrittenCheckpoint& WrittenCheckpoint::operator=(WrittenCheckpoint&&) noexcept = default;
+WrittenCheckpoint::~WrittenCheckpoint() = default;
+
+SealedCheckpoint WrittenCheckpoint::seal() && {
+  CheckpointState& s = state_of(state_, "seal");
+  mark_complete(s.temp.file(), s.skeleton.data);
+  return SealedCheckpoint(std::move(state_));
+}
+
+SealedCheckpoint::SealedCheckpoint(std::unique_ptr<CheckpointState> state) noexcept : state_(std::move(state)) {}
+SealedCheckpoint::SealedCheckpoint(SealedCheckpoint&&) noexcept = default;
+SealedCheckpoint& SealedCheckpoint::operator=(SealedCheckpoint&&) noexcept = default;
+SealedCheckpoint::~SealedCheckpoint() = default;
+
+void SealedCheckpoint::commit() && {
+  state_of(state_, "commit").temp.commit();
+  state_.reset();
 }
 
 }  // namespace shardckpt

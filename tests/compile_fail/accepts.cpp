@@ -54,3 +54,10 @@ void entries_from_a_loaded_state(const std::filesystem::path& p, const StateDict
   const TensorRef saved = TensorRef::read_only(frozen.tensor("k"));
   (void)saved;
 }
+
+// A checkpoint file written step by step, each step consuming the one before.
+void checkpoint_in_order(const std::filesystem::path& p) {
+  CheckpointWriter w = CheckpointWriter::create(io::Destination::of(p), {}, {}, 0);
+  PieceWriter pieces = w.pieces(IoMethod::raw, 0);
+  std::move(w).written(pieces.finish()).seal().commit();
+}

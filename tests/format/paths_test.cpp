@@ -227,6 +227,51 @@ TEST(Format, CommitReplacesAtomicallyAndDiscardCleansUp) {
   EXPECT_EQ(testing_support::file_bytes(final_path), before);
 }
 
+TEST(Format, ACheckpointWriterTakesItsStepsOnceAndInOrderAndADroppedStepLeavesNothing) {
+  ScratchDir dir;
+  const auto path = dir / "ckpt.h5";
+  const auto create = [&] {
+    return CheckpointWriter::create(io::Destination::of(path), two_datasets(),
+                                    {CheckpointKind::global, {}, {}, std::string(32, 'a')}, two_checksums);
+  };
+  // Dropped at each step before its commit: the temporary file goes, nothing is at the path.
+  { CheckpointWriter w = create(); EXPECT_EQ(testing_support::temporary_files(dir.path()).size(), 1u); }
+  {
+    CheckpointWriter w = create();
+    PiecesWritten done = w.pieces(IoMethod::raw, 0).finish();
+    WrittenCheckpoint written = std::move(w).written(std::move(done));
+  }
+  {
+    CheckpointWriter w = create();
+    PieceWriter pieces = w.pieces(IoMethod::raw, 0);
+    SealedCheckpoint sealed = std::move(w).written(pieces.finish()).seal();
+  }
+  EXPECT_TRUE(testing_support::temporary_files(dir.path()).empty());
+  EXPECT_FALSE(std::filesystem::exists(path));
+  // Proof of pieces written to another file is refused; a step on a step already taken (where
+  // -Wconsumed cannot see it, through an optional) is an error, not a second commit.
+  {
+    CheckpointWriter w = create(), other = create();
+    PiecesWritten elsewhere = other.pieces(IoMethod::raw, 0).finish();
+    const Error e = error_of([&] { (void)std::move(w).written(std::move(elsewhere)); });
+    EXPECT_EQ(e.code(), Errc::invalid_argument);
+    EXPECT_TRUE(contains(e.what(), "of another file")) << e.what();
+  }
+  std::optional<SealedCheckpoint> sealed;
+  {
+    CheckpointWriter w = create();
+    PieceWriter pieces = w.pieces(IoMethod::raw, 0);
+    sealed.emplace(std::move(w).written(pieces.finish()).seal());
+  }
+  std::move(*sealed).commit();
+  EXPECT_TRUE(std::filesystem::exists(path));
+  const Error twice = error_of([&] { std::move(*sealed).commit(); });
+  EXPECT_EQ(twice.code(), Errc::invalid_argument);
+  EXPECT_TRUE(contains(twice.what(), "moved on (commit)")) << twice.what();
+  EXPECT_TRUE(testing_support::temporary_files(dir.path()).empty());
+  EXPECT_NO_THROW(CheckpointReader r(path));
+}
+
 TEST(Format, AReaderKeepsReadingTheFileItOpenedWhenThePathIsReplaced) {
   ScratchDir dir;
   write_all(dir / "a.h5", IoMethod::raw, false, {{"tag", std::string("old")}});
