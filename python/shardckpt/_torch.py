@@ -5,7 +5,27 @@ as uint8 tensors (torch 1.13's gloo refuses bf16, so rows move as bytes too), ga
 first rank and broadcast from it; and tensor rows in place: each member broadcasts its share of the
 rows straight into the other members' memory.
 """
+import collections
+import ctypes
 import json
+
+# Every tensor this module hands to torch.distributed, the last _LENT of them. A gloo worker thread
+# drops its reference to a collective's tensors after the caller's wait() has returned; if that is the
+# last reference and the interpreter is finalizing by then (a script that ends without
+# destroy_process_group, as torchrun's scripts do), freeing the tensor's Python object takes the GIL on
+# that thread, which ends it by pthread_exit inside C++ frames: the process aborts ("terminate called
+# without an active exception") after its work. Held here, the last reference is Python's, dropped on
+# the thread that holds the GIL, long after gloo let go; and the ring itself is never freed, so the
+# tensors of the last collectives are not freed by the finalization either.
+_LENT = 64
+_lent = collections.deque(maxlen=_LENT)
+ctypes.pythonapi.Py_IncRef(ctypes.py_object(_lent))
+
+
+def _lend(*tensors):
+    """`tensors`, kept referenced here after the collective that takes them (see _lent)."""
+    _lent.extend(tensors)
+    return tensors[0]
 
 
 def _timeout_of(dist, pg):
@@ -88,6 +108,7 @@ class TorchGroup:
         root = self._sorted[0]
         out = t.empty(n * mine.numel(), dtype=t.uint8, device=self._device)
         pieces = list(out.chunk(n)) if self._dist.get_rank() == root else None
+        _lend(mine, out, *(pieces or []))
         dist.gather(mine, pieces, dst=root, group=self._pg)
         dist.broadcast(out, src=root, group=self._pg)
         return out.view(n, mine.numel()).cpu()
@@ -110,13 +131,13 @@ class TorchGroup:
     def broadcast_bytes(self, data, root):
         t, dist = self._torch, self._dist
         src = self._members[root]
-        slot = self._slot(data if root == self._rank else b"", self.INLINE)
+        slot = _lend(self._slot(data if root == self._rank else b"", self.INLINE))
         dist.broadcast(slot, src=src, group=self._pg)
         slot = slot.cpu()
         size = int(slot[:8].view(t.int64).item())
         if size <= self.INLINE - 8:
             return bytes(slot[8:8 + size].numpy())
-        buf = self._uint8(data) if root == self._rank else t.empty(size, dtype=t.uint8, device=self._device)
+        buf = _lend(self._uint8(data) if root == self._rank else t.empty(size, dtype=t.uint8, device=self._device))
         dist.broadcast(buf, src=src, group=self._pg)
         return bytes(buf.cpu().numpy())
 
@@ -127,7 +148,7 @@ class TorchGroup:
         start = 0
         for i, n in enumerate(bytes_per_member):
             if n:
-                self._dist.broadcast(view[start:start + n], src=self._members[i], group=self._pg)
+                self._dist.broadcast(_lend(view[start:start + n]), src=self._members[i], group=self._pg)
             start += n
 
     def split(self, color, key):

@@ -54,6 +54,34 @@ def check_collectives(group, rank):
                 assert g.broadcast_bytes(mine, root) == payload(members[root]), (sizes, root)
 
 
+def check_tensors_lent(group, rank):
+    """Every tensor TorchGroup gives torch.distributed is still referenced by shardckpt after the call,
+    so a gloo thread that drops it late never frees a Python object (tests/python/test_exit.py)."""
+    given = []
+
+    def recording(call):
+        def wrapped(*args, **kwargs):
+            for a in args:
+                given.extend(a if isinstance(a, list) else [a] if isinstance(a, torch.Tensor) else [])
+            return call(*args, **kwargs)
+        return wrapped
+
+    calls = {name: getattr(dist, name) for name in ("broadcast", "gather")}
+    try:
+        for name, call in calls.items():
+            setattr(dist, name, recording(call))
+        group.all_gather_bytes(bytes(5000))
+        group.broadcast_bytes(bytes(5000) if rank == 0 else b"", 0)
+        rows = torch.zeros(8, dtype=torch.uint8)
+        group.all_gather_rows(torch.utils.dlpack.to_dlpack(rows), [2, 2, 2, 2])
+    finally:
+        for name, call in calls.items():
+            setattr(dist, name, call)
+    assert len(given) >= 4, given
+    held = {id(t) for t in sc._torch._lent}
+    assert all(id(t) in held for t in given), f"{sum(id(t) not in held for t in given)} of {len(given)} not held"
+
+
 def main():
     what, tp, gtp, align, path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     dist.init_process_group("gloo", timeout=TIMEOUT)
@@ -100,6 +128,7 @@ def main():
         print("saved")
     elif what == "collectives":
         check_collectives(group, rank)
+        check_tensors_lent(group, rank)
         # A group split makes (a Saver's private group) times out as the job's does, not in torch's 30 minutes.
         options = getattr(group.split(0, rank)._pg, "options", None)
         assert getattr(options, "_timeout", TIMEOUT) == TIMEOUT, options._timeout
