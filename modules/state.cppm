@@ -94,12 +94,16 @@ class StateDict {
   // Never saved; a load hands it back as it was given in the request.
   void add_local(std::string key, CommonValue value);
 
+  // The entries as add() checked them: read-only, so that no key, dtype, shape or layout changes
+  // past its checks.
   const std::vector<ShardedTensor>& tensors() const noexcept [[clang::lifetimebound]] { return tensors_; }
   const std::vector<ShardedParam>& params() const noexcept [[clang::lifetimebound]] { return params_; }
-  // The entries of a state dict its owner may change (a load fills their memory): the entries of a
-  // const state dict lend no mutable memory.
-  std::span<ShardedTensor> tensors() noexcept [[clang::lifetimebound]] { return tensors_; }
-  std::span<ShardedParam> params() noexcept [[clang::lifetimebound]] { return params_; }
+  // The memory of tensor `i` (tensors()[i].data) and of parameter `i`'s shard (params()[i].shard): the
+  // one part of an entry its owner may change (a load fills it; a trainer may point it at other
+  // memory, which saves and loads check against the entry). A const state dict lends none. Throws
+  // Errc::invalid_argument for an index past the entries.
+  TensorRef& mut_data(std::size_t i) [[clang::lifetimebound]];
+  TensorRef& mut_shard(std::size_t i) [[clang::lifetimebound]];
   const Values& common() const noexcept [[clang::lifetimebound]] {
     return common_;
   }

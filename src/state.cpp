@@ -120,6 +120,17 @@ void StateDict::add_local(std::string key, CommonValue value) {
   local_.emplace(std::move(key), std::move(value));
 }
 
+TensorRef& StateDict::mut_data(std::size_t i) {
+  require(i < tensors_.size(), Errc::invalid_argument, "tensor ", i, " of a state dict of ", tensors_.size(), " tensors");
+  return tensors_[i].data;
+}
+
+TensorRef& StateDict::mut_shard(std::size_t i) {
+  require(i < params_.size(), Errc::invalid_argument, "parameter ", i, " of a state dict of ", params_.size(),
+          " parameters");
+  return params_[i].shard;
+}
+
 std::vector<std::string> LoadedState::keys() const {
   std::vector<std::string> out;
   for (const auto& [key, t] : tensors_) out.push_back(key);

@@ -97,7 +97,7 @@ TEST(Cuda, AsyncSaveFromTheDeviceKeepsTheWeightsAsTheyWere) {
     demo::RankModel m = demo::build_rank(c, l, g.rank(), {}, {MemoryKind::device, engine});
     Saver saver(g, {.engine = engine});
     AsyncSave pending = saver.save_async(m.state, dir / "a.h5");
-    for (ShardedParam& p : m.state.params()) engine->zero(p.shard.mut_view());  // train on
+    for (std::size_t i = 0; i < m.state.params().size(); ++i) engine->zero(m.state.mut_shard(i).mut_view());  // train on
     engine->wait(engine->fence());
     pending.wait();
   });
@@ -124,9 +124,9 @@ TEST(Cuda, BoundedAsyncSaveFollowsTheTrainersStreamAndStreamsThroughTheBudget) {
     Saver saver(g, {.engine = engine, .staging_buffer_bytes = 4 << 10, .check_unchanged = true});
     ASSERT_GT(static_cast<std::size_t>(m.shard_bytes), saver.async_host_bytes());
     const auto fill = [&](int byte) {
-      for (ShardedParam& p : m.state.params())
-        if (!p.shard.view().empty())
-          ASSERT_EQ(cudaMemsetAsync(p.shard.mut_view().data(), byte, p.shard.view().bytes(), trainer), cudaSuccess);
+      for (std::size_t i = 0; i < m.state.params().size(); ++i)
+        if (const MutTensorView shard = m.state.mut_shard(i).mut_view(); !shard.empty())
+          ASSERT_EQ(cudaMemsetAsync(shard.data(), byte, shard.bytes(), trainer), cudaSuccess);
     };
     fill(0x3f);  // the step's weights, still being written on the trainer's stream
     engine->follow(trainer);

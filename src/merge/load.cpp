@@ -52,9 +52,13 @@ class Source {
     }
   }
 
-  // Reads `box` of the dataset `key` (global shape `global_shape`) into `dst`.
-  void read(const std::string& key, DType dtype, std::span<const std::int64_t> global_shape, const Box& box,
-            MutTensorView dst, std::string_view who) {
+  // Reads the piece's box of its dataset into its rows.
+  void read(const PieceView<true>& piece, std::string_view who) {
+    const std::string_view key = piece.key;
+    const DType dtype = piece.dtype;
+    const std::span<const std::int64_t> global_shape = piece.global_shape;
+    const Box& box = piece.box;
+    const MutTensorView dst = piece.rows;
     if (box.empty()) return;
     const Dataset* d = nullptr;
     Box from = box;
@@ -127,54 +131,34 @@ using Slot = std::variant<MutTensorView, Placeholder, CommonValue>;
 using Tree = std::map<std::string, Slot, std::less<>>;
 
 void load_tensors(Source& src, StateDict& state, const LoadOptions& options, Tree& tree) {
-  for (ShardedTensor& t : state.tensors()) {
+  for (std::size_t i = 0; i < state.tensors().size(); ++i) {
+    const ShardedTensor& t = state.tensors()[i];
     const std::string who = cat("tensor ", t.key);
-    const MutTensorView dst = load_view(t.data, t.dtype, t.shape, who);
-    const Range mine = own_rows(t.shape.rows(), t.replica_id, t.replicas, options.read_own_share && !src.local());
-    if (splits_past_dim1(t.global_shape, t.global_offset, t.count())) {
-      for (const SlabPart& part : slab_parts(t.key, t.global_shape, t.global_offset, t.count()))
-        if (mine.contains(part.slab_row))
-          src.read(t.key, t.dtype, t.global_shape, part.box, reshaped(dst, part.slab_offset, 1, part.box.cols.size()),
-                   who);
-      tree.emplace(t.key, dst);
-      continue;
-    }
-    const Box box = footprint(t.key, t.global_shape, t.global_offset, t.count());
-    src.read(t.key, t.dtype, t.global_shape, {{box.rows.begin + mine.begin, box.rows.begin + mine.end}, box.cols},
-             dst.slice_rows(mine.begin, mine.end), who);
+    const MutTensorView dst = load_view(state.mut_data(i), t.dtype, t.shape, who);
+    tensor_pieces(t, dst, own_rows(t.shape.rows(), t.replica_id, t.replicas, options.read_own_share && !src.local()),
+                  [&](const PieceView<true>& piece) { src.read(piece, who); });
     tree.emplace(t.key, dst);
   }
 }
 
 // Loads every sharded parameter into its destination: pieces read into their rows, pad rows zeroed.
 // A padding-only rank reads nothing (its placeholder comes from the request, as a local value).
-void load_params(Source& src, StateDict& state, const LoadOptions& options, Tree& tree) {
-  for (ShardedParam& p : state.params()) {
-    const RankPlan plan = plan_rank(p.spec, p.gtp, p.align, p.coord);
+void load_params(Source& src, StateDict& state, std::span<const RankPlan> plans, const LoadOptions& options,
+                 Tree& tree) {
+  for (std::size_t i = 0; i < plans.size(); ++i) {
+    const ShardedParam& p = state.params()[i];
+    const RankPlan& plan = plans[i];
     if (plan.padding_only) continue;
-    const MutTensorView dst = load_view(p.shard, p.dtype, p.shard_shape(), p.describe());
-    const std::int64_t c = plan.row_elems;
-    if (p.flat) {
-      for (const Piece& piece : plan.pieces)
-        for (const FlatPart& part : flat_parts(piece, c, {p.flat->begin, p.flat->end}))
-          src.read(piece.key, p.dtype, piece.global_shape, part.box,
-                   reshaped(dst, part.range_offset, part.box.rows.size(), part.box.cols.size()), p.describe());
-      // The range's elements in pad rows.
-      const std::int64_t real_end = std::clamp(plan.real_rows * c, p.flat->begin, p.flat->end);
+    const MutTensorView dst = load_view(state.mut_shard(i), p.dtype, p.shard_shape(), p.describe());
+    const std::string who = p.describe();
+    param_pieces(p, plan, dst, own_rows(plan.real_rows, p.replica_id, p.replicas, options.read_own_share && !src.local()),
+                 [&](const PieceView<true>& piece) { src.read(piece, who); });
+    if (p.flat) {  // the range's elements in pad rows
+      const std::int64_t real_end = std::clamp(plan.real_rows * plan.row_elems, p.flat->begin, p.flat->end);
       src.zero(reshaped(dst, real_end - p.flat->begin, 1, p.flat->end - real_end));
-      tree.emplace(p.spec.key, dst);
-      continue;
+    } else {
+      src.zero(dst.slice_rows(plan.real_rows, dst.rows()));
     }
-    const Range mine = own_rows(plan.real_rows, p.replica_id, p.replicas, options.read_own_share && !src.local());
-    for (const Piece& piece : plan.pieces) {
-      const Range rows = Range{piece.shard_row, piece.shard_row + piece.rows}.intersect(mine);
-      if (rows.empty()) continue;
-      const Box box = footprint(piece.key, piece.global_shape, piece.global_offset, piece.count);
-      const std::int64_t first = box.rows.begin + rows.begin - piece.shard_row;
-      src.read(piece.key, p.dtype, piece.global_shape, {{first, first + rows.size()}, box.cols},
-               dst.slice_rows(rows.begin, rows.end), p.describe());
-    }
-    src.zero(dst.slice_rows(plan.real_rows, dst.rows()));
     tree.emplace(p.spec.key, dst);
   }
 }
@@ -182,10 +166,10 @@ void load_params(Source& src, StateDict& state, const LoadOptions& options, Tree
 // The local (non-persistent) values of a load: the request's own, and for every parameter of which
 // this rank holds only pad rows, the zero-row placeholder that keeps its key, dtype and trailing
 // shape. Neither comes from the file.
-void add_local_values(const StateDict& state, Tree& tree) {
+void add_local_values(const StateDict& state, std::span<const RankPlan> plans, Tree& tree) {
   for (const auto& [key, value] : state.local()) tree.insert_or_assign(key, value);
-  for (const ShardedParam& p : state.params())
-    if (plan_rank(p.spec, p.gtp, p.align, p.coord).padding_only)
+  for (std::size_t i = 0; i < plans.size(); ++i)
+    if (const ShardedParam& p = state.params()[i]; plans[i].padding_only)
       tree.insert_or_assign(p.spec.key, Placeholder{p.padded_shape().with_rows(0)});
 }
 
@@ -193,14 +177,15 @@ void add_local_values(const StateDict& state, Tree& tree) {
 // all-zero shard (in its destination); a loaded shard is checked against the factory's shape. A
 // factory whose key is missing from the tree means the loaded keys differ from the requested ones.
 void merge_factories(Source& src, StateDict& state, Tree& tree) {
-  for (ShardedParam& p : state.params()) {
+  for (std::size_t i = 0; i < state.params().size(); ++i) {
+    const ShardedParam& p = state.params()[i];
     const auto it = tree.find(p.spec.key);
     require(it != tree.end() && !std::holds_alternative<CommonValue>(it->second), Errc::missing_key, p.describe(),
             ": nothing was loaded under its key, so the loaded keys differ from the requested ones");
     if (const auto* placeholder = std::get_if<Placeholder>(&it->second)) {
       require(placeholder->shape == p.padded_shape().with_rows(0), Errc::shape_mismatch, p.describe(),
               ": its placeholder does not have the factory's trailing shape");
-      const MutTensorView dst = load_view(p.shard, p.dtype, p.shard_shape(), p.describe());
+      const MutTensorView dst = load_view(state.mut_shard(i), p.dtype, p.shard_shape(), p.describe());
       src.zero(dst);
       it->second = dst;
     }
@@ -233,13 +218,15 @@ Values load_with(const CheckpointReader& reader, StateDict& state, const LoadOpt
           reader.contents().kind == CheckpointKind::local ? "load_local" : "load");
   require_recorded_divisors(reader, state);
   require_disjoint(load_targets(state), "this rank");
+  std::vector<RankPlan> plans;  // each parameter planned once, in the state dict's order
+  for (const ShardedParam& p : std::as_const(state).params()) plans.push_back(plan_rank(p.spec, p.gtp, p.align, p.coord));
   Source src(reader, kind == CheckpointKind::local, options);
   Tree tree;
   load_tensors(src, state, options, tree);
-  load_params(src, state, options, tree);
+  load_params(src, state, plans, options, tree);
   // The complete tree first (shards, common values, local values), then the factory merges.
   for (const auto& [key, value] : reader.contents().common) tree.emplace(key, value);
-  add_local_values(state, tree);
+  add_local_values(state, plans, tree);
   merge_factories(src, state, tree);
   src.finish();
   Values values;
@@ -256,8 +243,14 @@ std::vector<LoadTarget> load_targets(StateDict& state) {
     const auto begin = reinterpret_cast<std::uintptr_t>(dst.data());
     if (dst.bytes() > 0) out.push_back({key, dst.space(), begin, begin + dst.bytes()});
   };
-  for (ShardedTensor& t : state.tensors()) add(t.data, t.dtype, t.shape, t.key, cat("tensor ", t.key));
-  for (ShardedParam& p : state.params()) add(p.shard, p.dtype, p.shard_shape(), p.spec.key, p.describe());
+  for (std::size_t i = 0; i < state.tensors().size(); ++i) {
+    const ShardedTensor& t = state.tensors()[i];
+    add(state.mut_data(i), t.dtype, t.shape, t.key, cat("tensor ", t.key));
+  }
+  for (std::size_t i = 0; i < state.params().size(); ++i) {
+    const ShardedParam& p = state.params()[i];
+    add(state.mut_shard(i), p.dtype, p.shard_shape(), p.spec.key, p.describe());
+  }
   return out;
 }
 
@@ -472,13 +465,15 @@ std::vector<ReplicaRows> replica_rows(StateDict& state) {
     for (int i = 0; i < replicas; ++i) c.push_back(balanced_share(rows, replicas, i).size());
     return c;
   };
-  for (ShardedTensor& t : state.tensors())
-    if (t.replicas > 1) out.push_back({t.data.mut_view(), counts(t.shape.rows(), t.replicas)});
-  for (ShardedParam& p : state.params()) {
+  for (std::size_t i = 0; i < state.tensors().size(); ++i)
+    if (const ShardedTensor& t = state.tensors()[i]; t.replicas > 1)
+      out.push_back({state.mut_data(i).mut_view(), counts(t.shape.rows(), t.replicas)});
+  for (std::size_t i = 0; i < state.params().size(); ++i) {
+    const ShardedParam& p = state.params()[i];
     if (p.replicas <= 1 || p.flat) continue;
     const RankPlan plan = plan_rank(p.spec, p.gtp, p.align, p.coord);
     if (!plan.padding_only)
-      out.push_back({p.shard.mut_view().slice_rows(0, plan.real_rows), counts(plan.real_rows, p.replicas)});
+      out.push_back({state.mut_shard(i).mut_view().slice_rows(0, plan.real_rows), counts(plan.real_rows, p.replicas)});
   }
   return out;
 }

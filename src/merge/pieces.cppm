@@ -36,6 +36,63 @@ inline Range own_rows(std::int64_t rows, int replica_id, int replicas, bool shar
   return share && replicas > 1 ? balanced_share(rows, replicas, replica_id) : Range{0, rows};
 }
 
+// One piece of a state dict's entry as save and load both see it: the box of the dataset `key` (of
+// `global_shape`) and the view of the entry's rows that fill it (read-only when saved, mutable when
+// loaded). `main` is false for a replica that does not write it (a TP replica of a replicated weight).
+template <bool Mutable>
+struct PieceView {
+  std::string_view key;
+  DType dtype = DType::f32;
+  std::span<const std::int64_t> global_shape;
+  Box box;
+  bool main = true;
+  BasicView<Mutable> rows;
+};
+
+// Calls f(PieceView) for each piece of tensor `t`'s rows `mine` (rows of its local shape) in `data`:
+// one per run contiguous in the shard and the dataset when the slab splits a dim past dim 1, else
+// one box (empty when `mine` is).
+template <bool Mutable, class F>
+void tensor_pieces(const ShardedTensor& t, BasicView<Mutable> data, Range mine, F&& f) {
+  if (splits_past_dim1(t.global_shape, t.global_offset, t.count())) {
+    for (const SlabPart& part : slab_parts(t.key, t.global_shape, t.global_offset, t.count()))
+      if (mine.contains(part.slab_row))
+        f(PieceView<Mutable>{t.key, t.dtype, t.global_shape, part.box, true,
+                             reshaped(data, part.slab_offset, 1, part.box.cols.size())});
+    return;
+  }
+  const Box box = footprint(t.key, t.global_shape, t.global_offset, t.count());
+  f(PieceView<Mutable>{t.key, t.dtype, t.global_shape, Box{{box.rows.begin + mine.begin, box.rows.begin + mine.end}, box.cols},
+                       true, data.slice_rows(mine.begin, mine.end)});
+}
+
+// Calls f(PieceView) for each piece of parameter `p`'s shard `shard` (planned as `plan`): with a flat
+// range, each block's part of the range (an empty box for a block the range holds none of: the checks
+// across ranks then still see its key); else the rows `mine` of the shard's real rows in each block
+// (blocks it holds none of skipped). Pad rows are in no piece.
+template <bool Mutable, class F>
+void param_pieces(const ShardedParam& p, const RankPlan& plan, BasicView<Mutable> shard, Range mine, F&& f) {
+  if (p.flat) {
+    for (const Piece& piece : plan.pieces) {
+      const std::vector<FlatPart> parts = flat_parts(piece, plan.row_elems, {p.flat->begin, p.flat->end});
+      for (const FlatPart& part : parts)
+        f(PieceView<Mutable>{piece.key, p.dtype, piece.global_shape, part.box, plan.main_replica,
+                             reshaped(shard, part.range_offset, part.box.rows.size(), part.box.cols.size())});
+      if (parts.empty())
+        f(PieceView<Mutable>{piece.key, p.dtype, piece.global_shape, Box{}, plan.main_replica, reshaped(shard, 0, 0, 0)});
+    }
+    return;
+  }
+  for (const Piece& piece : plan.pieces) {
+    const Range rows = Range{piece.shard_row, piece.shard_row + piece.rows}.intersect(mine);
+    if (rows.empty()) continue;
+    const Box box = footprint(piece.key, piece.global_shape, piece.global_offset, piece.count);
+    const std::int64_t first = box.rows.begin + rows.begin - piece.shard_row;
+    f(PieceView<Mutable>{piece.key, p.dtype, piece.global_shape, Box{{first, first + rows.size()}, box.cols},
+                         plan.main_replica, shard.slice_rows(rows.begin, rows.end)});
+  }
+}
+
 // Checks that the checkpoint's dataset can serve a slab of `dtype` at `global_shape`.
 inline void check_dataset(const Dataset& d, DType dtype, std::span<const std::int64_t> global_shape,
                    std::string_view who) {

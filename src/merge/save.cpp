@@ -27,23 +27,18 @@ namespace shardckpt {
 
 namespace {
 
+// Each piece of an entry is an item of the plan: a view of the shard's rows, never a copy.
+void add_item(SavePlan& out, const PieceView<false>& piece) {
+  out.items.push_back({std::string(piece.key), piece.dtype, {piece.global_shape.begin(), piece.global_shape.end()},
+                       piece.box, piece.main, piece.rows});
+}
+
 void add_tensor_items(const ShardedTensor& t, bool share, SavePlan& out) {
   require(static_cast<bool>(t.data), Errc::invalid_argument, "tensor ", t.key, ": no data to save");
   require(t.data.dtype() == t.dtype && t.data.shape() == t.shape, Errc::shape_mismatch, "tensor ", t.key,
           ": the data does not match the declared dtype and shape");
-  const Range mine = own_rows(t.shape.rows(), t.replica_id, t.replicas, share);
-  if (splits_past_dim1(t.global_shape, t.global_offset, t.count())) {
-    // Each run of elements that is contiguous in the shard and in the dataset is an item of its own.
-    for (const SlabPart& part : slab_parts(t.key, t.global_shape, t.global_offset, t.count()))
-      if (mine.contains(part.slab_row))
-        out.items.push_back({t.key, t.dtype, t.global_shape, part.box, true,
-                             reshaped(t.data.view(), part.slab_offset, 1, part.box.cols.size())});
-    return;
-  }
-  const Box box = footprint(t.key, t.global_shape, t.global_offset, t.count());
-  out.items.push_back({t.key, t.dtype, t.global_shape,
-                       Box{{box.rows.begin + mine.begin, box.rows.begin + mine.end}, box.cols}, true,
-                       t.data.view().slice_rows(mine.begin, mine.end)});
+  tensor_pieces(t, t.data.view(), own_rows(t.shape.rows(), t.replica_id, t.replicas, share),
+                [&](const PieceView<false>& piece) { add_item(out, piece); });
 }
 
 void add_param_items(const ShardedParam& p, bool share, SavePlan& out) {
@@ -57,30 +52,9 @@ void add_param_items(const ShardedParam& p, bool share, SavePlan& out) {
           p.align, p.flat ? cat(" and flat range [", p.flat->begin, ", ", p.flat->end, ")") : std::string(),
           " give shards of shape ", dims_text(p.shard_shape().dims()));
   out.params.push_back(record_of(p.spec));
-  if (p.flat) {
-    for (const Piece& piece : plan.pieces) {
-      const std::vector<FlatPart> parts = flat_parts(piece, plan.row_elems, {p.flat->begin, p.flat->end});
-      for (const FlatPart& part : parts)
-        out.items.push_back({piece.key, p.dtype, piece.global_shape, part.box, plan.main_replica,
-                             reshaped(shard, part.range_offset, part.box.rows.size(), part.box.cols.size())});
-      // A flat range that holds none of the piece still names its block, with an empty box: the
-      // checks across ranks then see the key and the rows nobody holds, rather than no key at all.
-      if (parts.empty())
-        out.items.push_back({piece.key, p.dtype, piece.global_shape, Box{}, plan.main_replica, reshaped(shard, 0, 0, 0)});
-    }
-    return;
-  }
-  const Range mine = own_rows(plan.real_rows, p.replica_id, p.replicas, share);
-  for (const Piece& piece : plan.pieces) {
-    const Range rows = Range{piece.shard_row, piece.shard_row + piece.rows}.intersect(mine);
-    if (rows.empty()) continue;
-    const Box box = footprint(piece.key, piece.global_shape, piece.global_offset, piece.count);
-    const std::int64_t first = box.rows.begin + rows.begin - piece.shard_row;
-    out.items.push_back({piece.key, p.dtype, piece.global_shape, Box{{first, first + rows.size()}, box.cols},
-                         plan.main_replica, shard.slice_rows(rows.begin, rows.end)});
-  }
+  param_pieces(p, plan, shard, own_rows(plan.real_rows, p.replica_id, p.replicas, share),
+               [&](const PieceView<false>& piece) { add_item(out, piece); });
 }
-
 
 }  // namespace
 

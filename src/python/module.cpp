@@ -467,15 +467,15 @@ void retake(TensorRef& ref, const py::object& source, const std::string& key, Re
 
 Resolved resolve(const PyStateDict& s) {
   Resolved out{s.state, {}};
-  const auto params = out.state.params();
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    retake(params[i].shard, s.param_sources[i], params[i].spec.key, out);
-    out.host = out.host || (params[i].shard && params[i].shard.space().host_accessible());
+  for (std::size_t i = 0; i < out.state.params().size(); ++i) {
+    TensorRef& shard = out.state.mut_shard(i);
+    retake(shard, s.param_sources[i], out.state.params()[i].spec.key, out);
+    out.host = out.host || (shard && shard.space().host_accessible());
   }
-  const auto tensors = out.state.tensors();
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    retake(tensors[i].data, s.tensor_sources[i], tensors[i].key, out);
-    out.host = out.host || (tensors[i].data && tensors[i].data.space().host_accessible());
+  for (std::size_t i = 0; i < out.state.tensors().size(); ++i) {
+    TensorRef& data = out.state.mut_data(i);
+    retake(data, s.tensor_sources[i], out.state.tensors()[i].key, out);
+    out.host = out.host || (data && data.space().host_accessible());
   }
   return out;
 }

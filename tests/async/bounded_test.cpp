@@ -78,8 +78,8 @@ TEST(BoundedAsyncSave, SavesTheWeightsAsTheyWereUntilWaitStaged) {
         const EngineStats before = device->stats();
         AsyncSave pending = saver.save_async(m.state, dir / "a.h5");
         pending.wait_staged();
-        for (ShardedParam& p : m.state.params())
-          if (!p.shard.view().empty()) scribble(p.shard.mut_view(), device.get());
+        for (std::size_t i = 0; i < m.state.params().size(); ++i)
+          if (const MutTensorView shard = m.state.mut_shard(i).mut_view(); !shard.empty()) scribble(shard, device.get());
         pending.wait();
         EXPECT_EQ(saver.staging_bytes(), 512u);  // held from the start; host rows stream past it
         EXPECT_EQ(device->stats().pinned_allocations, before.pinned_allocations);
@@ -142,9 +142,8 @@ TEST(BoundedAsyncSave, AShardChangedTooEarlyFailsTheSaveNamingTheKeyAndRows) {
                         .save = held_at(&changed, nullptr)});
         AsyncSave pending = saver.save_async(m.state, dir / "a.h5");
         if (g.rank() == 1) {
-          ShardedParam& p = m.state.params()[0];
-          where = two_rows_of(p);
-          scribble(p.shard.mut_view().slice_rows(where.shard_row, where.shard_row + 2), device.get());
+          where = two_rows_of(m.state.params()[0]);
+          scribble(m.state.mut_shard(0).mut_view().slice_rows(where.shard_row, where.shard_row + 2), device.get());
           changed.open();
         }
         try {

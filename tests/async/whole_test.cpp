@@ -27,8 +27,8 @@ TEST(AsyncSave, StagedWholeBeforeItReturnsAndSavesTheWeightsAsTheyWere) {
       EXPECT_FALSE(pending.done());
       pending.wait_staged();
       // Train on: every shard is overwritten while the save is in flight.
-      for (ShardedParam& p : m.state.params())
-        if (!p.shard.view().empty()) scribble(p.shard.mut_view(), device.get());
+      for (std::size_t i = 0; i < m.state.params().size(); ++i)
+        if (const MutTensorView shard = m.state.mut_shard(i).mut_view(); !shard.empty()) scribble(shard, device.get());
       g.barrier();
       if (g.rank() == 0) planning.open();
       pending.wait();

@@ -43,6 +43,12 @@ void load_into_a_mutable_state(const std::filesystem::path& p, float* memory) {
   (void)load_into(p, s, LoadOptions{.staging = pool});
 }
 
+// An entry's memory is its owner's to change (pointed at other memory, or filled); the entry is not.
+void entry_memory_changed(StateDict& s) {
+  s.mut_data(0) = SharedBuffer::zeros(s.tensors()[0].dtype, s.tensors()[0].shape);
+  (void)s.mut_shard(0).mut_view();
+}
+
 HostBuffer counted_copy(const HostBuffer& b) { return b.deep_copy(); }
 
 // A loaded state owns its tensors: a named, non-const one lends them to a state dict that may be

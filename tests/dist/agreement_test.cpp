@@ -113,8 +113,8 @@ TEST(Groups, AGroupThatGarblesThePlanningVerdictCommitsNothing) {
   // Rank 3 is told that its checksums start where rank 0's do: it would overwrite them.
   const auto codes = outcomes(l.ranks(), [&](ProcessGroup& g) {
     demo::RankModel m = demo::build_rank(c, l, g.rank());
-    for (ShardedParam& p : m.state.params())
-      for (bf16& x : p.shard.mut_view().as<bf16>()) x = to_bf16(7.0f);
+    for (std::size_t i = 0; i < m.state.params().size(); ++i)
+      for (bf16& x : m.state.mut_shard(i).mut_view().as<bf16>()) x = to_bf16(7.0f);
     GarblingGroup garbling(g, 3, 1, 0);
     save(m.state, path, garbling);
   });

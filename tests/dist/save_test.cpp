@@ -50,10 +50,11 @@ TEST(ThreadRanks, DataParallelReplicasEachWriteTheirShare) {
   for (const bool poison_own : {false, true}) {
     run_ranks(l.ranks(), [&](ProcessGroup& g) {
       demo::RankModel m = demo::build_rank(c, l, g.rank());
-      for (ShardedParam& p : m.state.params()) {
+      for (std::size_t i = 0; i < m.state.params().size(); ++i) {
+        const ShardedParam& p = m.state.params()[i];
         const RankPlan plan = plan_rank(p.spec, p.gtp, p.align, p.coord);
         const Range share = balanced_share(plan.real_rows, p.replicas, p.replica_id);
-        const MutTensorView shard = p.shard.mut_view();
+        const MutTensorView shard = m.state.mut_shard(i).mut_view();
         for (std::int64_t r = 0; r < plan.real_rows; ++r)
           if ((r >= share.begin && r < share.end) == poison_own)
             for (bf16& x : shard.slice_rows(r, r + 1).as<bf16>()) x = to_bf16(-1.0f);
@@ -210,8 +211,8 @@ TEST(Failure, ARankThatDiesMidSaveLeavesTheEarlierCheckpointIntact) {
   for (int die_at : {1, 2, 3}) {
     const auto codes = outcomes(l.ranks(), [&](ProcessGroup& g) {
       demo::RankModel m = demo::build_rank(c, l, g.rank());
-      for (ShardedParam& p : m.state.params())
-        for (bf16& x : p.shard.mut_view().as<bf16>()) x = to_bf16(7.0f);  // a different model
+      for (std::size_t i = 0; i < m.state.params().size(); ++i)
+        for (bf16& x : m.state.mut_shard(i).mut_view().as<bf16>()) x = to_bf16(7.0f);  // a different model
       DyingGroup dying(g, g.rank() == 2 ? die_at : -1);
       save(m.state, path, dying);
     });

@@ -249,7 +249,7 @@ StateDict scalar_state(SharedBuffer& a, SharedBuffer& b, SharedBuffer& c, Shared
   s.add(ShardedTensor::of("bn.num_batches_tracked", a, {}, {}));
   s.add(ShardedTensor::of("opt.step", b, {}, {}));
   s.add(ShardedTensor::expect("half", DType::bf16, {}, {}, {}));  // expect's Extents{} is a scalar's [1]
-  s.tensors().back().data = c;
+  s.mut_data(s.tensors().size() - 1) = c;
   s.add(ShardedTensor::of("v", v, {3}, {0}));
   return s;
 }

@@ -36,7 +36,7 @@ TEST(Save, NoPadRowReachesTheFile) {
     const auto specs = demo::params(c, l.tp);
     for (std::size_t p = 0; p < specs.size(); ++p) {
       const RankPlan plan = plan_rank(specs[p], l.gtp, l.align, {0, r});
-      const MutTensorView shard = models[static_cast<std::size_t>(r)].state.params()[p].shard.mut_view();
+      const MutTensorView shard = models[static_cast<std::size_t>(r)].state.mut_shard(p).mut_view();
       auto v = shard.slice_rows(plan.real_rows, plan.geometry.shard_rows()).as<bf16>();
       for (auto& x : v) x = to_bf16(poison);
     }
