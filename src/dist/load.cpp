@@ -45,6 +45,7 @@ namespace fs = std::filesystem;
 std::shared_ptr<const CheckpointReader> open_agreed(const fs::path& path, ProcessGroup& group) {
   std::shared_ptr<const CheckpointReader> reader;
   const bool share = group.threads_of_one_process();
+  std::optional<Loan<CheckpointReader>> lent;  // rank 0's, until every rank has taken its share
   const Bytes sealed = decide_at_root(
       group, cat("opening ", path.string()),
       [&] {
@@ -54,16 +55,16 @@ std::shared_ptr<const CheckpointReader> open_agreed(const fs::path& path, Proces
       [&](const std::vector<std::span<const std::byte>>&) {
         Writer w;
         w.i64(static_cast<std::int64_t>(reader->seal().value_or(0)));
-        w.i64(static_cast<std::int64_t>(reinterpret_cast<std::uintptr_t>(&reader)));
+        w.i64(share ? static_cast<std::int64_t>(lent.emplace(reader).ticket()) : 0);
         return w.take();
       });
   Reader r(sealed);
   const auto seal = static_cast<std::uint64_t>(r.i64());
-  const auto* root = reinterpret_cast<const std::shared_ptr<const CheckpointReader>*>(static_cast<std::uintptr_t>(r.i64()));
+  const auto ticket = static_cast<std::uint64_t>(r.i64());
   agree(group, cat("opening ", path.string()), [&] {
     if (group.rank() == 0) return;
-    // Rank 0's `reader` lives until this phase has ended on every rank.
-    reader = share ? *root : std::make_shared<const CheckpointReader>(path, OpenOptions{.trusted_seal = seal});
+    reader = share ? Loan<CheckpointReader>::take(ticket)
+                   : std::make_shared<const CheckpointReader>(path, OpenOptions{.trusted_seal = seal});
   });
   return reader;
 }

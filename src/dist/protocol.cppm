@@ -23,6 +23,8 @@ module;
 #include <system_error>
 #include <thread>
 #include <type_traits>
+#include <typeindex>
+#include <typeinfo>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -202,5 +204,54 @@ inline Bytes checked(const std::function<void()>& check, Bytes payload) {
     return payload;
   });
 }
+
+// An object the root of a group whose members are threads of one process lends to the others (one
+// open checkpoint for all thread ranks): while the Loan lives, any member takes a share of it by its
+// ticket, a number that travels as metadata, and by its type. A ticket that names no object on loan,
+// or one of another type, is Errc::internal: never an address sent as bytes and read back as a pointer.
+template <class T>
+class Loan {
+ public:
+  explicit Loan(std::shared_ptr<const T> object) : ticket_(registry().lend(typeid(T), std::move(object))) {}
+  Loan(const Loan&) = delete;
+  Loan& operator=(const Loan&) = delete;
+  ~Loan() { registry().end(ticket_); }
+
+  std::uint64_t ticket() const noexcept { return ticket_; }
+  static std::shared_ptr<const T> take(std::uint64_t ticket) {
+    return std::static_pointer_cast<const T>(registry().take(typeid(T), ticket));
+  }
+
+ private:
+  class Registry {
+   public:
+    std::uint64_t lend(std::type_index type, std::shared_ptr<const void> object) {
+      const std::lock_guard lock(mutex_);
+      lent_.emplace(++last_, std::pair{type, std::move(object)});
+      return last_;
+    }
+    std::shared_ptr<const void> take(std::type_index type, std::uint64_t ticket) const {
+      const std::lock_guard lock(mutex_);
+      const auto it = lent_.find(ticket);
+      require(it != lent_.end() && it->second.first == type, Errc::internal, "ticket ", ticket,
+              " names no object of this type on loan among the thread ranks");
+      return it->second.second;
+    }
+    void end(std::uint64_t ticket) {
+      const std::lock_guard lock(mutex_);
+      lent_.erase(ticket);
+    }
+
+   private:
+    mutable std::mutex mutex_;
+    std::uint64_t last_ = 0;
+    std::map<std::uint64_t, std::pair<std::type_index, std::shared_ptr<const void>>> lent_;
+  };
+  static Registry& registry() {
+    static Registry r;
+    return r;
+  }
+  std::uint64_t ticket_;
+};
 
 }  // namespace shardckpt

@@ -2,6 +2,8 @@
 // what is mapped and what is not, that a mapped tensor is private (writes never reach the file) and
 // outlives the reader and a save that replaces the file, and that every mapped row is checked.
 #include <fstream>
+#include <optional>
+#include <set>
 #include <sstream>
 
 #include "support.hpp"
@@ -24,6 +26,23 @@ bool mapped_from(const void* p, std::size_t bytes, const std::filesystem::path& 
     if (at >= end) return true;
   }
   return false;
+}
+
+// Where offset 0 of `file` lies in the mapping of it that holds `p` (0: no mapping of it does): two
+// tensors with one base lie in one mapping of the file.
+std::uintptr_t mapping_base(const void* p, const std::filesystem::path& file) {
+  std::ifstream maps("/proc/self/maps");
+  const std::string name = std::filesystem::canonical(file).string();
+  const auto at = reinterpret_cast<std::uintptr_t>(p);
+  for (std::string line; std::getline(maps, line);) {
+    if (line.size() < name.size() || line.compare(line.size() - name.size(), name.size(), name) != 0) continue;
+    std::uintptr_t begin = 0, stop = 0, offset = 0;
+    char dash = 0;
+    std::string perms;
+    std::istringstream(line) >> std::hex >> begin >> dash >> stop >> perms >> offset;
+    if (begin <= at && at < stop) return begin - offset;
+  }
+  return 0;
 }
 
 bool mapped_from(const SharedBuffer& b, const std::filesystem::path& file) {
@@ -101,6 +120,26 @@ TEST(MappedLoad, WholeRowsAreAMappingOfTheFileAndTheRestIsRead) {
     EXPECT_FALSE(mapped_from(s.tensor("w"), dir / "a.h5"));
     expect_rows(s.tensor("w").view(), 0, 0.5f);
   }
+}
+
+// Ranks that are threads of one process load through rank 0's reader, lent to them by the group (one
+// open file, one mapping): every rank's tensor lies in the one mapping of the file.
+TEST(MappedLoad, ThreadRanksLoadThroughOneReaderAndOneMapping) {
+  ScratchDir dir;
+  save_tensors(dir / "a.h5", 0.25f);
+  std::vector<std::optional<LoadedState>> loaded(4);
+  run_ranks(4, [&](ProcessGroup& g) {
+    const std::int64_t n = rows / 4;
+    loaded[static_cast<std::size_t>(g.rank())].emplace(load(dir / "a.h5", request_of(g.rank() * n, n), g));
+  });
+  std::set<std::uintptr_t> bases;
+  for (std::size_t r = 0; r < loaded.size(); ++r) {
+    const SharedBuffer& w = loaded[r]->tensor("w");
+    expect_rows(w.view(), static_cast<std::int64_t>(r) * (rows / 4), 0.25f);
+    bases.insert(mapping_base(w.view().data(), dir / "a.h5"));
+  }
+  EXPECT_FALSE(bases.contains(0));  // every rank's "w" is mapped
+  EXPECT_EQ(bases.size(), 1u) << "the thread ranks mapped the file " << bases.size() << " times";
 }
 
 // A mapped tensor is private: writing it changes neither the file nor another load's tensor. It
