@@ -184,8 +184,9 @@ void measure_planning(Report& report);
 // synchronous save and today's full staging.
 void measure_async_bounded(const Options& o, const fs::path& dir, Cache& cache, PeakMeter& meter, Report& report);
 
-// The seed's geometry (SPEC.md): 72 GDP layers, heads 512 x 128, groups 256, state 128, 4
-// Householder steps, TP 8 x GTP 64 (512 ranks), alignment 32; in_proj has 61,760 TP-local rows.
+// The seed's geometry (docs/performance.md, "Planning at the seed's scale"): 72 GDP layers, heads
+// 512 x 128, groups 256, state 128, 4 Householder steps, TP 8 x GTP 64 (512 ranks), alignment 32;
+// in_proj has 61,760 TP-local rows.
 struct SeedGeometry {
   SsmDims dims{.heads = 512, .head_dim = 128, .groups = 256, .state = 128, .householder = 4};
   std::int64_t cols = 10240, align = 32;

@@ -2,6 +2,7 @@
 // framework's extension would use it: GTP shards saved by thread ranks and loaded at another layout,
 // and every failure as a code and a message that names what was wrong.
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 #include <shardckpt/shardckpt.h>
 
 #include <cstdint>
@@ -401,6 +402,39 @@ TEST_F(CApiRead, ATpRankReadsItsRowsAndBadArgumentsHaveCodes) {
   EXPECT_EQ(shardckpt_tensors_count(nullptr), 0u);
   EXPECT_EQ(shardckpt_tensors_key(nullptr, 0), nullptr);
   shardckpt_tensors_free(nullptr);
+}
+
+// shardckpt_inspect gives what `shardckpt inspect --json` prints: one report, built by the library.
+TEST_F(CApiRead, InspectGivesTheCheckpointAsJson) {
+  const std::string big = save_big(), fused = save(2, 16);
+  char* text = nullptr;
+  ASSERT_EQ(shardckpt_inspect(big.c_str(), &text), SHARDCKPT_OK) << shardckpt_last_error();
+  const nlohmann::json j = nlohmann::json::parse(text);
+  shardckpt_string_free(text);
+  EXPECT_EQ(j["file"], big);
+  EXPECT_EQ(j["kind"], "global");
+  EXPECT_EQ(j["checksummed"], true);
+  EXPECT_EQ(j["common"]["step"], 7);
+  ASSERT_EQ(j["tensors"].size(), 1u);
+  EXPECT_EQ(j["tensors"][0]["key"], "embed.weight");
+  EXPECT_EQ(j["tensors"][0]["dtype"], "f32");
+  EXPECT_EQ(j["tensors"][0]["global_shape"], nlohmann::json({big_rows, big_cols}));
+  EXPECT_EQ(j["tensors"][0]["bytes"], big_rows * big_cols * 4);
+  EXPECT_EQ(j["bytes"], big_rows * big_cols * 4);
+  ASSERT_EQ(shardckpt_inspect(fused.c_str(), &text), SHARDCKPT_OK) << shardckpt_last_error();
+  const nlohmann::json f = nlohmann::json::parse(text);
+  shardckpt_string_free(text);
+  ASSERT_EQ(f["params"].size(), 1u);
+  EXPECT_GT(f["params"][0]["blocks"].size(), 1u);  // a fused weight: its blocks, each a dataset
+  EXPECT_EQ(f["tensors"].size(), f["params"][0]["blocks"].size());
+  char junk = 'x';
+  text = &junk;  // set to NULL on failure
+  EXPECT_EQ(shardckpt_inspect(path("absent.h5").c_str(), &text), SHARDCKPT_ERR_NOT_A_CHECKPOINT)
+      << shardckpt_last_error();
+  EXPECT_EQ(text, nullptr);
+  EXPECT_EQ(shardckpt_inspect(big.c_str(), nullptr), SHARDCKPT_ERR_INVALID_ARGUMENT);
+  EXPECT_STREQ(shardckpt_last_error(), "shardckpt_inspect: json is NULL");
+  shardckpt_string_free(nullptr);
 }
 
 TEST_F(CApiRead, AChangedByteInAMappedTensorIsCorruptNotATensor) {

@@ -195,6 +195,15 @@ const char* shardckpt_tensors_key(const shardckpt_tensors* tensors, size_t index
 /* SHARDCKPT_ERR_MISSING_KEY for a key that is not there. */
 int shardckpt_tensors_get(shardckpt_tensors* tensors, const char* key, shardckpt_tensor* out);
 
+/* ---- what a checkpoint holds --------------------------------------------------------------------- */
+
+/* What the checkpoint at `path` holds, as the JSON text `shardckpt inspect --json` prints
+ * (docs/cli.md): its tensors (key, dtype, global shape, bytes), parameter records, common values,
+ * format version, checkpoint id and whether it is checksummed. *json receives the text,
+ * NUL-terminated, to free with shardckpt_string_free. */
+int shardckpt_inspect(const char* path, char** json);
+void shardckpt_string_free(char* text);
+
 /* ---- common values ------------------------------------------------------------------------------ */
 
 void shardckpt_values_free(shardckpt_values* values);

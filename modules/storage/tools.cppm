@@ -59,6 +59,31 @@ std::vector<ParamRecord> parse_records(std::string_view json_text);
 // Whether the HDF5 library this process uses is built thread-safe (H5is_library_threadsafe).
 bool hdf5_thread_safe() noexcept;
 
+// What a checkpoint holds, from its reader's checked metadata: one value for every face that shows
+// it (`shardckpt inspect`, Python's inspect(), the C API's shardckpt_inspect).
+struct InspectReport {
+  struct Tensor {
+    std::string key;
+    DType dtype = DType::f32;
+    std::vector<std::int64_t> global_shape;
+    std::int64_t bytes = 0;
+  };
+  std::filesystem::path file;
+  int format_version = 0;
+  CheckpointKind kind = CheckpointKind::global;
+  std::string checkpoint_id;
+  bool checksummed = false;
+  std::int64_t bytes = 0;  // of every tensor
+  std::vector<Tensor> tensors;
+  std::vector<ParamRecord> params;
+  Values common;
+  std::vector<std::pair<std::string, std::string>> skipped;  // datasets that hold no tensor, and why
+};
+InspectReport inspect_checkpoint(const CheckpointReader& reader);
+// The report as JSON text: what `shardckpt inspect --json` prints and shardckpt_inspect returns
+// (docs/cli.md).
+std::string inspect_json(const InspectReport& report);
+
 // Reads every byte of every tensor of the checkpoint and checks it against its checksum.
 // `progress(bytes_done, bytes_total)` is called as it goes.
 VerifyReport verify_checkpoint(const CheckpointReader& reader,

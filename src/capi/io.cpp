@@ -2,6 +2,7 @@
 // load), or several ranks as threads of this process (shardckpt::run_ranks). The collective work,
 // its checks and its errors are the C++ library's.
 #include <cstddef>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -93,6 +94,22 @@ int shardckpt_read(const char* path, int64_t tp, int64_t tp_rank, int map, shard
     if (values) *values = v;
   });
 }
+
+int shardckpt_inspect(const char* path, char** json) {
+  if (json == nullptr) return null_argument("shardckpt_inspect", "json");
+  *json = nullptr;
+  return guarded([&] {
+    const std::string from = path_of(path);
+    sc::InspectReport report = sc::inspect_checkpoint(sc::CheckpointReader(from));
+    report.file = from;
+    const std::string text = sc::inspect_json(report);
+    auto out = std::make_unique<char[]>(text.size() + 1);
+    std::memcpy(out.get(), text.c_str(), text.size() + 1);
+    *json = out.release();
+  });
+}
+
+void shardckpt_string_free(char* text) { delete[] text; }
 
 void shardckpt_tensors_free(shardckpt_tensors* tensors) { delete tensors; }
 

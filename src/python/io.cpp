@@ -239,16 +239,16 @@ py::dict verify_dict(const VerifyReport& r) {
   return d;
 }
 
-py::dict inspect_dict(const CheckpointReader& r) {
+py::dict inspect_dict(const InspectReport& r) {
   py::list tensors, params;
-  for (const Dataset& d : r.datasets()) {
-    py::dict t;
-    t["key"] = value_text(d.key);
-    t["dtype"] = std::string(dtype_name(d.dtype));
-    t["global_shape"] = py::tuple(py::cast(d.shape));
-    tensors.append(t);
+  for (const InspectReport::Tensor& t : r.tensors) {
+    py::dict d;
+    d["key"] = value_text(t.key);
+    d["dtype"] = std::string(dtype_name(t.dtype));
+    d["global_shape"] = py::tuple(py::cast(t.global_shape));
+    tensors.append(d);
   }
-  for (const ParamRecord& p : r.params()) {
+  for (const ParamRecord& p : r.params) {
     py::dict rec;
     rec["key"] = value_text(p.key);
     rec["tp_axis"] = std::string(tp_axis_name(p.tp_axis));
@@ -262,12 +262,12 @@ py::dict inspect_dict(const CheckpointReader& r) {
     params.append(rec);
   }
   py::dict out;
-  out["format_version"] = r.version();
-  out["checkpoint_id"] = value_text(r.contents().id);
-  out["checksummed"] = r.checksummed();
+  out["format_version"] = r.format_version;
+  out["checkpoint_id"] = value_text(r.checkpoint_id);
+  out["checksummed"] = r.checksummed;
   out["tensors"] = tensors;
   out["params"] = params;
-  out["common"] = python_values(r.contents().common);
+  out["common"] = python_values(r.common);
   return out;
 }
 
@@ -429,14 +429,12 @@ void bind_io(py::module_& m) {
     return verify_dict(report);
   });
   m.def("inspect", [](const Path& path) {
-    std::optional<CheckpointReader> reader;
+    std::optional<InspectReport> report;
     {
       py::gil_scoped_release nogil;
-      reader.emplace(path);
-      (void)reader->params();
-      (void)reader->datasets();
+      report.emplace(inspect_checkpoint(CheckpointReader(path)));
     }
-    return inspect_dict(*reader);
+    return inspect_dict(*report);
   });
   // The library's adopt (src/storage/adopt.cpp), as `shardckpt adopt` calls it: the records come as
   // the JSON text the CLI reads (parse_records checks it), the common values as a dict.

@@ -1,6 +1,7 @@
 // shardckpt._core: the extension module under the Python package shardckpt (python/shardckpt).
 // Its names are the C++ library's, in Python style; shardckpt.Error carries the library's message
-// and its code. This file: the error, the values, the layout types and the state dict.
+// and its code. This file: the layout types and the state dict (values.cpp: errors and values;
+// resolve.cpp: a state dict's memory taken again before each save and load).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -35,82 +36,6 @@ void require_constructed(py::handle object, const std::type_info& type) {
   if (v && v.value_ptr() != nullptr) return;
   const std::string name = py::str(py::type::of(object).attr("__name__"));
   throw py::type_error(cat("this ", name, " was made by ", name, ".__new__ without __init__: it holds no ", name));
-}
-
-namespace {
-
-py::str decoded(std::string_view text, const char* errors) {
-  PyObject* s = PyUnicode_DecodeUTF8(text.data(), static_cast<Py_ssize_t>(text.size()), errors);
-  if (s == nullptr) throw py::error_already_set();
-  return py::reinterpret_steal<py::str>(s);
-}
-
-}  // namespace
-
-py::str message_text(std::string_view text) { return decoded(text, "backslashreplace"); }
-
-std::string python_wording(std::string text) {
-  // What a library message says in C++ terms, where a Python caller can meet it, and the words of
-  // the Python API for it.
-  static constexpr std::pair<std::string_view, std::string_view> python_words[] = {
-      {"a Saver with that device's CopyEngine", "a Saver made for that device (Saver(cuda_device=N))"},
-      {"a Saver with a CopyEngine (its pool of pinned buffers)", "a Saver made for that device (Saver(cuda_device=N))"},
-      {"give the Saver an MPI or thread group", "call Saver.save(), or give the Saver a TorchGroup over gloo"},
-      {"AsyncSave::wait_staged()", "AsyncSave.wait_staged()"},
-      {"SaverOptions::check_unchanged", "Saver(check_unchanged=True)"},
-  };
-  for (const auto& [cpp, python] : python_words)
-    for (std::size_t at = text.find(cpp); at != std::string::npos; at = text.find(cpp, at + python.size()))
-      text.replace(at, cpp.size(), python);
-  return text;
-}
-
-py::str value_text(std::string_view text) { return decoded(text, "surrogateescape"); }
-
-std::string utf8_text(py::handle text, std::string_view what) {
-  if (!PyUnicode_Check(text.ptr()))
-    throw py::type_error(cat(what, ": a str, not a ", std::string(py::str(py::type::of(text).attr("__name__")))));
-  Py_ssize_t size = 0;
-  const char* utf8 = PyUnicode_AsUTF8AndSize(text.ptr(), &size);
-  if (utf8 != nullptr) return {utf8, static_cast<std::size_t>(size)};
-  PyErr_Clear();
-  throw py::value_error(cat(what, " ", std::string(py::repr(text)),
-                            ": a str with a lone surrogate, which is no text (it has no UTF-8 form); "
-                            "a checkpoint holds UTF-8 text only"));
-}
-
-CommonValue common_value(py::handle value, std::string_view key) {
-  // bool is an int in Python; a flag saved as 0/1 reads back as an int, so say so up front.
-  if (py::isinstance<py::bool_>(value)) return CommonValue{std::int64_t{value.cast<bool>()}};
-  if (py::isinstance<py::int_>(value)) {
-    try {
-      return CommonValue{value.cast<std::int64_t>()};
-    } catch (const py::cast_error&) {
-      throw py::value_error(cat(key, ": an int outside int64"));
-    }
-  }
-  if (py::isinstance<py::float_>(value)) return CommonValue{value.cast<double>()};
-  if (py::isinstance<py::str>(value)) return CommonValue{utf8_text(value, cat("key ", key, ": the value"))};
-  throw py::type_error(cat(key, ": a common value is an int, a float or a str, not a ",
-                           std::string(py::str(py::type::of(value).attr("__name__")))));
-}
-
-py::object python_value(const CommonValue& value) {
-  return std::visit(
-      [](const auto& v) -> py::object {
-        if constexpr (std::is_same_v<std::decay_t<decltype(v)>, std::string>) {
-          return value_text(v);
-        } else {
-          return py::cast(v);
-        }
-      },
-      value);
-}
-
-py::dict python_values(const Values& values) {
-  py::dict out;
-  for (const auto& [key, value] : values) out[value_text(key)] = python_value(value);
-  return out;
 }
 
 namespace {
@@ -442,51 +367,7 @@ py::object source_of(const py::object& object) {
   return PyCapsule_CheckExact(object.ptr()) ? py::object(py::none()) : object;
 }
 
-// Takes `source`'s memory again for `ref`; an entry whose memory cannot be taken goes without, and
-// `gone` says why.
-void retake(TensorRef& ref, const py::object& source, const std::string& key, Resolved& out) {
-  if (source.is_none()) return;
-  try {
-    ref = TensorRef(buffer_from_dlpack(source, key));
-  } catch (py::error_already_set& e) {  // __dlpack__ raised: its type and message, without the traceback
-    ref = {};
-    const py::str text = py::str(e.value());
-    const auto utf8 =
-        py::reinterpret_steal<py::bytes>(PyUnicode_AsEncodedString(text.ptr(), "utf-8", "backslashreplace"));
-    out.gone.push_back(cat(key, ": ", std::string(py::str(e.type().attr("__name__"))), ": ", std::string(utf8)));
-  } catch (const py::builtin_exception& e) {
-    ref = {};
-    out.gone.push_back(e.what());
-  } catch (const Error& e) {
-    ref = {};
-    out.gone.push_back(cat(key, ": ", e.what()));
-  }
-}
-
 }  // namespace
-
-Resolved resolve(const PyStateDict& s) {
-  Resolved out{s.state, {}};
-  for (std::size_t i = 0; i < out.state.params().size(); ++i) {
-    TensorRef& shard = out.state.mut_shard(i);
-    retake(shard, s.param_sources[i], out.state.params()[i].spec.key, out);
-    out.host = out.host || (shard && shard.space().host_accessible());
-  }
-  for (std::size_t i = 0; i < out.state.tensors().size(); ++i) {
-    TensorRef& data = out.state.mut_data(i);
-    retake(data, s.tensor_sources[i], out.state.tensors()[i].key, out);
-    out.host = out.host || (data && data.space().host_accessible());
-  }
-  return out;
-}
-
-void raise_gone(const std::vector<std::string>& gone) {
-  if (gone.empty()) return;
-  std::string text = "the memory of a tensor of this state dict changed since it was added, and is not a shard any "
-                     "more: ";
-  for (std::size_t i = 0; i < gone.size(); ++i) text += cat(i ? "; " : "", gone[i]);
-  throw Error(Errc::shard_changed, text);
-}
 
 void bind_state(py::module_& m) {
   bind_param(m);

@@ -189,7 +189,7 @@ const SlabSource& source_for(ReaderState& m, ReaderState::Entry& e, const ReadOp
 
 }  // namespace
 
-void ReaderState::raw_read(const Dataset& d, Entry& e, const Box& box, std::byte* mem,
+void ReaderState::read_unchecked(const Dataset& d, Entry& e, const Box& box, std::byte* mem,
                                       std::int64_t mem_row_elems, std::int64_t mem_col, const ReadOptions& options) {
   source_for(*this, e, options).read(*this, d, e, box, mem, mem_row_elems, mem_col, options);
 }
@@ -218,14 +218,14 @@ void ReaderState::read_checked(const Dataset& d, Entry& e, const Slab& s, const 
     read_checksums(s.first_checksum + (r0 - s.box.rows.begin), n, want.data());
     std::byte* rows = out + (r0 - box.rows.begin) * width * es;
     if (whole_units) {
-      raw_read(d, e, {{r0, r1}, s.box.cols}, rows, width, s.box.cols.begin - box.cols.begin, options);
+      read_unchecked(d, e, {{r0, r1}, s.box.cols}, rows, width, s.box.cols.begin - box.cols.begin, options);
       for (std::int64_t r = 0; r < n; ++r)
         if (row_hash(rows + (r * width + s.box.cols.begin - box.cols.begin) * es,
                      static_cast<std::size_t>(unit_bytes)) != want[static_cast<std::size_t>(r)])
           mismatch(r0 + r);
     } else {
       scratch.resize(static_cast<std::size_t>(n * unit_bytes));
-      raw_read(d, e, {{r0, r1}, s.box.cols}, scratch.data(), s.box.cols.size(), 0, options);
+      read_unchecked(d, e, {{r0, r1}, s.box.cols}, scratch.data(), s.box.cols.size(), 0, options);
       for (std::int64_t r = 0; r < n; ++r) {
         const std::byte* unit = scratch.data() + r * unit_bytes;
         if (row_hash(unit, static_cast<std::size_t>(unit_bytes)) != want[static_cast<std::size_t>(r)]) mismatch(r0 + r);
@@ -252,7 +252,7 @@ void CheckpointReader::read(const Dataset& d, const Box& box, MutTensorView dst,
     if (options.verify && m.checksummed) slabs = &m.slabs_for(*e);
   }
   if (!slabs) {
-    m.raw_read(d, *e, box, out, width, 0, options);
+    m.read_unchecked(d, *e, box, out, width, 0, options);
     if (options.progress) options.progress(box_elements(box) * es);
     return;
   }

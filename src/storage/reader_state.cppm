@@ -83,8 +83,8 @@ struct ReaderState {
   const std::vector<RawRegion>& regions_for(Entry& e);
   const std::vector<Slab>& slabs_for(Entry& e);
   void read_checksums(std::int64_t first, std::int64_t n, std::uint64_t* out) const;
-  void raw_read(const Dataset& d, Entry& e, const Box& box, std::byte* mem, std::int64_t mem_row_elems,
-                std::int64_t mem_col, const ReadOptions& options);
+  void read_unchecked(const Dataset& d, Entry& e, const Box& box, std::byte* mem, std::int64_t mem_row_elems,
+                      std::int64_t mem_col, const ReadOptions& options);
   void read_checked(const Dataset& d, Entry& e, const Slab& s, const Box& sub, const Box& box, std::byte* out,
                     const ReadOptions& options);
   void read_metadata();

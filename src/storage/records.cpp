@@ -8,6 +8,7 @@ module;
 #include <string>
 #include <string_view>
 #include <utility>
+#include <variant>
 #include <vector>
 module shardckpt.storage;
 import shardckpt.core;
@@ -119,6 +120,38 @@ std::vector<ParamRecord> params_from_json(std::string_view text) {
 }
 
 std::string records_json(const std::vector<ParamRecord>& records) { return params_json(records).dump(); }
+
+std::string inspect_json(const InspectReport& r) {
+  json tensors = json::array(), params = json::array(), common = json::object(), skipped = json::array();
+  for (const InspectReport::Tensor& t : r.tensors)
+    tensors.push_back(
+        {{"key", t.key}, {"dtype", dtype_name(t.dtype)}, {"global_shape", t.global_shape}, {"bytes", t.bytes}});
+  for (const auto& [key, why] : r.skipped) skipped.push_back({{"key", key}, {"reason", why}});
+  for (const ParamRecord& p : r.params) {
+    json blocks = json::array();
+    for (const Section& s : p.blocks)
+      blocks.push_back({{"name", s.name}, {"key", block_key(p.key, s.name)}, {"rows", s.rows}});
+    json divisors = json::array();
+    for (const TpDivisor& d : p.divisors) divisors.push_back({{"name", d.name}, {"count", d.count}});
+    params.push_back({{"key", p.key},
+                      {"tp_axis", tp_axis_name(p.tp_axis)},
+                      {"trailing", p.trailing},
+                      {"blocks", blocks},
+                      {"divisors", divisors}});
+  }
+  for (const auto& [key, value] : r.common) std::visit([&](const auto& v) { common[key] = v; }, value);
+  return json{{"file", r.file.string()},
+              {"format_version", r.format_version},
+              {"kind", r.kind == CheckpointKind::global ? "global" : "local"},
+              {"checkpoint_id", r.checkpoint_id},
+              {"checksummed", r.checksummed},
+              {"bytes", r.bytes},
+              {"tensors", tensors},
+              {"params", params},
+              {"common", common},
+              {"skipped", skipped}}
+      .dump();
+}
 
 std::vector<ParamRecord> parse_records(std::string_view json_text) {
   try {

@@ -16,6 +16,25 @@ import :raw;
 
 namespace shardckpt {
 
+InspectReport inspect_checkpoint(const CheckpointReader& reader) {
+  InspectReport out;
+  const CheckpointContents& c = reader.contents();
+  out.file = reader.path();
+  out.format_version = reader.version();
+  out.kind = c.kind;
+  out.checkpoint_id = c.id;
+  out.checksummed = reader.checksummed();
+  out.params = reader.params();
+  for (const Dataset& d : reader.datasets()) {
+    const std::int64_t bytes = checked_mul(element_count(d.shape), element_bytes(d.dtype), "dataset bytes");
+    out.bytes = checked_add(out.bytes, bytes, "checkpoint bytes");
+    out.tensors.push_back({d.key, d.dtype, d.shape, bytes});
+  }
+  out.common = c.common;
+  out.skipped = reader.skipped();
+  return out;
+}
+
 bool hdf5_thread_safe() noexcept {
   hbool_t safe = false;
   return H5is_library_threadsafe(&safe) >= 0 && safe;
