@@ -25,7 +25,7 @@ std::int64_t bytes_read_by_load(Run& run, const demo::ModelConfig& c, const demo
     const demo::RankCoord at = demo::coord_of(l, g.rank());
     const std::unique_ptr<ProcessGroup> replicas = g.split(at.tp * l.gtp + at.gtp, at.dp);
     const auto me = static_cast<std::size_t>(g.rank());
-    values[me] = load_into(file, model[me], g, {}, share ? replicas.get() : nullptr);
+    values[me] = load_into(file, model[me], g, {}, share ? Replicas(*replicas) : Replicas());
   });
   const io::IoStats after = io::io_stats();
   std::vector<std::int64_t> bad(model.size());

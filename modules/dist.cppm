@@ -57,23 +57,37 @@ struct SaveOptions {
 void save(const StateDict& state, const std::filesystem::path& path, ProcessGroup& group, SaveOptions options = {});
 void save(const StateDict& state, const std::filesystem::path& path, SaveOptions options = {});
 
-// Every rank loads its own part at its own layout, concurrently; every rank gets the same outcome.
-// Each rank opens the checkpoint once (ranks that are threads of one process share one open
-// reader), and all ranks must have opened the same one: a path replaced between two ranks' opens
-// is Errc::replaced, never a mix. With `replicas` (this rank's group of
-// data-parallel copies, ranked by replica id), the copies of a shard each read a share of its rows
-// from the file and receive the others' through the group: each byte is read once per group.
+// One process alone: load_into fills the tensors of `state` where they are (host or device memory):
+// each piece straight into its destination rows, pad rows zeroed in place, a padding-only rank's
+// shard zero-filled; it allocates nothing proportional to the model and returns the common and local
+// values. load allocates (or maps, LoadOptions::map) host memory for a request at any TP, GTP and
+// alignment, then fills it; a tensor asked for whole (a ShardedTensor at its global shape, a
+// parameter at GTP 1 that TP does not split) is counted as a materialization, a scalar is not.
+// Throws Errc::missing_key, shape_mismatch, dtype_mismatch, not_a_checkpoint or corrupt; Errc::layout,
+// before anything is read, when a parameter's TP does not divide the heads or groups its record
+// names (require_tp_divides).
+Values load_into(const std::filesystem::path& path, StateDict& state, LoadOptions options = {});
+Values load_into(const CheckpointReader& reader, StateDict& state, LoadOptions options = {});
+LoadedState load(const std::filesystem::path& path, const StateDict& request, LoadOptions options = {});
+LoadedState load(const CheckpointReader& reader, const StateDict& request, LoadOptions options = {});
+
+// The same on every rank of `group`: every rank loads its own part at its own layout, concurrently;
+// every rank gets the same outcome. Each rank opens the checkpoint once (ranks that are threads of one
+// process share one open reader), and all ranks must have opened the same one: a path replaced between
+// two ranks' opens is Errc::replaced, never a mix. With `replicas` (this rank's group of data-parallel
+// copies, ranked by replica id), the copies of a shard each read a share of its rows from the file and
+// receive the others' through the group: each byte is read once per group.
 Values load_into(const std::filesystem::path& path, StateDict& state, ProcessGroup& group,
-                 LoadOptions options = {}, ProcessGroup* replicas = nullptr);
+                 LoadOptions options = {}, Replicas replicas = {});
 LoadedState load(const std::filesystem::path& path, const StateDict& request, ProcessGroup& group,
-                 LoadOptions options = {}, ProcessGroup* replicas = nullptr);
+                 LoadOptions options = {}, Replicas replicas = {});
 // The same through a checkpoint each rank has open already (thread ranks may share one reader):
 // records, common values and tensor bytes then come from that one open file, and the ranks check
 // that their readers hold the same checkpoint (CheckpointReader::fingerprint) before anything is read.
 Values load_into(const CheckpointReader& reader, StateDict& state, ProcessGroup& group, LoadOptions options = {},
-                 ProcessGroup* replicas = nullptr);
+                 Replicas replicas = {});
 LoadedState load(const CheckpointReader& reader, const StateDict& request, ProcessGroup& group,
-                 LoadOptions options = {}, ProcessGroup* replicas = nullptr);
+                 LoadOptions options = {}, Replicas replicas = {});
 
 // Ranks that are threads of one process call HDF5 concurrently, which needs an HDF5 built thread-safe
 // (Debian's is: one global lock). Throws Errc::invalid_argument for a group of several thread ranks
@@ -173,5 +187,6 @@ class Saver {
 // `staged` is told as the rows of the plan's items leave the memory they view.
 namespace shardckpt {
 void save_with(const std::function<SavePlan()>& make_plan, const std::filesystem::path& path, ProcessGroup& group,
-               const SaveOptions& options, const RowsStaged& staged = {});
+               const SaveOptions& options,
+               const std::function<void(std::size_t, std::int64_t, TensorView)>& staged = {});  // RowsStaged
 }  // namespace shardckpt

@@ -7,7 +7,9 @@
 // request as a local value, and only then is every factory merged against the complete loaded tree
 // (loaded shards, common values, local values), on the global path and the per-rank local path
 // alike. Nothing here knows about ranks beyond the state dict it is given: coordination lives in
-// shardckpt.dist.
+// shardckpt.dist, which holds the one family of saves and loads (load_into and load, with a process
+// group or without); what dist needs of merge and no user calls is the library's own module
+// shardckpt.merge.seam (src/merge/seam.cppm), never installed.
 module;
 #include <cstdint>
 #include <filesystem>
@@ -55,16 +57,6 @@ struct SavePlan {
 SavePlan prepare_save(const StateDict& state);
 // The claims of one rank, for validate_claims.
 std::vector<Claim> claims_of(const SavePlan& plan, int rank);
-// Told, as rows of item `item` of a plan leave the memory the item views (copied into a staging
-// buffer, or written from host memory), which rows they are: `rows` holds rows [first_row,
-// first_row + rows.rows()) of the item as they were read, in host memory. Device rows are told once
-// their copy has landed and before they are written; host rows once written. Items in plan order.
-using RowsStaged = std::function<void(std::size_t item, std::int64_t first_row, TensorView rows)>;
-// Writes this rank's items, in order, into a skeleton whose datasets are `datasets`. Items in device
-// memory go through `staging`: while one buffer's rows are written, the engine copies the next.
-void write_items(const SavePlan& plan, std::span<const Dataset> datasets, PieceWriter& writer,
-                 const std::shared_ptr<StagingPool>& staging = nullptr, const RowsStaged& staged = {});
-
 struct LoadOptions {
   IoMethod method = IoMethod::raw;
   // Check every byte read against the checksum saved with it: a mismatch is Errc::corrupt naming
@@ -80,9 +72,6 @@ struct LoadOptions {
   BytesDone progress = {};
   // Pinned buffers through which destinations in device memory are filled (required for them).
   std::shared_ptr<StagingPool> staging = nullptr;
-  // Each data-parallel copy of a shard reads only its share of the rows; the others arrive through
-  // the replicas' process group (dist's load sets this when it has one).
-  bool read_own_share = false;
   // Read tensor data around the page cache (O_DIRECT, where the file system allows it): the file's
   // pages do not crowd the page cache, and on disks where scattered reads through the page cache are
   // slow, ranks get more of the disk (what it gains where is in docs/performance.md).
@@ -95,58 +84,6 @@ struct LoadOptions {
   // every byte, or must not keep the file's pages mapped).
   bool map = true;
 };
-
-// Fills the tensors of `state` where they are (host or device memory): each piece straight into its
-// destination rows, pad rows zeroed in place, a padding-only rank's shard zero-filled. Allocates
-// nothing proportional to the model. Returns the common and local values. Throws
-// Errc::missing_key, shape_mismatch, dtype_mismatch, not_a_checkpoint or corrupt; Errc::layout, before
-// anything is read, when a parameter's TP does not divide the heads or groups its record names
-// (require_tp_divides).
-Values load_into(const CheckpointReader& reader, StateDict& state, LoadOptions options = {});
-Values load_into(const std::filesystem::path& path, StateDict& state, LoadOptions options = {});
-// Loads this rank's part of a global checkpoint at the request's layout (any TP, GTP, alignment)
-// into host memory it allocates (what load_into then fills). A tensor asked for whole (a
-// ShardedTensor at its global shape, a parameter at GTP 1 that TP does not split) is counted as a
-// materialization; a scalar, one element, is not.
-LoadedState load(const std::filesystem::path& path, const StateDict& request, LoadOptions options = {});
-LoadedState load(const CheckpointReader& reader, const StateDict& request, LoadOptions options = {});
-// Tells LoadOptions::notice (or standard error) that the checkpoint's bytes or metadata are read
-// unchecked, if they are.
-void notice_unchecked(const CheckpointReader& reader, const LoadOptions& options);
-
-// The rows the data-parallel copies of one shard hand each other after a load that split its reads
-// (LoadOptions::read_own_share): `rows` holds data, replica i read counts[i] of them, in order.
-struct ReplicaRows {
-  MutTensorView rows;
-  std::vector<std::int64_t> counts;
-};
-std::vector<ReplicaRows> replica_rows(StateDict& state);
-
-// The memory a load writes of one entry of a state dict: where it is and whose it is.
-struct LoadTarget {
-  std::string key;
-  MemorySpace space;
-  std::uintptr_t begin = 0, end = 0;  // addresses in `space`
-};
-// Every destination of a load into `state`, each checked before a byte is read: present, of its
-// entry's dtype and shape, and writable (Errc::shape_mismatch, Errc::invalid_argument naming the key).
-std::vector<LoadTarget> load_targets(StateDict& state);
-// Throws Errc::invalid_argument naming both keys when two destinations share memory: a load would
-// fill one entry with another's rows (`who` says whose they are: a rank, or ranks of one process).
-void require_disjoint(std::vector<LoadTarget> targets, std::string_view who);
-
-// The request's host-memory twin: the same entries with destinations that load() allocates.
-struct Allocated {
-  StateDict state;
-  std::map<std::string, SharedBuffer, std::less<>> buffers;
-};
-Allocated allocate_destinations(const StateDict& request);
-// The same after mapping what can be (LoadOptions::map, CheckpointReader::map): `state` holds the
-// entries still to load (load_into), `buffers` every entry's tensor, mapped or allocated. Entries
-// whose rows replicas share (replicas > 1) are mapped only when `shared_too` (a collective load reads
-// them in shares instead).
-Allocated map_or_allocate(const CheckpointReader& reader, const StateDict& request, const LoadOptions& options,
-                          bool shared_too);
 
 // Where one rank sits in the layout a tool loads a checkpoint at.
 struct LoadLayout {
@@ -183,13 +120,4 @@ void save_local(const StateDict& state, const std::filesystem::path& path, IoMet
 LoadedState load_local(const std::filesystem::path& path, const StateDict& request, LoadOptions options = {});
 Values load_local_into(const std::filesystem::path& path, StateDict& state, LoadOptions options = {});
 
-}  // namespace shardckpt
-
-// For the units of this module, not exported: the plan of a save (`share_replicas`: data-parallel
-// copies each write a balanced share; a rank's own local file holds all it has), and a load through
-// `reader` of a checkpoint of `kind` (the global path or the per-rank local one).
-namespace shardckpt {
-SavePlan plan_save(const StateDict& state, bool share_replicas);
-Values load_with(const CheckpointReader& reader, StateDict& state, const LoadOptions& options,
-                 CheckpointKind kind);
 }  // namespace shardckpt

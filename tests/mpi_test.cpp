@@ -82,7 +82,7 @@ TEST(Mpi, ReplicasShareWritesAndReadsAndTheDistributedOptimizerReshards) {
   StateDict model = demo::with_destinations(demo::request(c, l, group.rank(), adam));
   const demo::RankCoord at = demo::coord_of(l, group.rank());
   const std::unique_ptr<ProcessGroup> replicas = group.split(at.tp * l.gtp + at.gtp, at.dp);
-  const Values values = load_into(file, model, group, {}, replicas.get());
+  const Values values = load_into(file, model, group, {}, *replicas);
   const demo::Verification v = demo::verify(c, adam, group.rank(), model, values);
   EXPECT_EQ(v.mismatches, 0) << v.first_mismatch;
   EXPECT_GT(v.values, 0);

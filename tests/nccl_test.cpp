@@ -60,7 +60,7 @@ TEST(Nccl, DeviceShardsSaveAndLoadInPlaceOverNccl) {
     StateDict model = demo::with_destinations(demo::request(c, at, group.rank(), adam), device);
     const std::unique_ptr<ProcessGroup> replicas = group.split(0, group.rank());
     const auto pool = std::make_shared<StagingPool>(engine, 1 << 20);
-    const Values values = load_into(dir / "nccl.h5", model, group, {.staging = pool}, replicas.get());
+    const Values values = load_into(dir / "nccl.h5", model, group, {.staging = pool}, *replicas);
     const demo::Verification v = demo::verify(c, adam, group.rank(), model, values, engine.get());
     EXPECT_EQ(v.mismatches, 0) << v.first_mismatch;
     EXPECT_GT(v.values, 0);

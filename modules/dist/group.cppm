@@ -56,6 +56,22 @@ class ProcessGroup {
   friend struct Protocol;
 };
 
+// The group of a rank's data-parallel copies over which a load splits its reads, or none. It refers to
+// a group its caller keeps (made from a named group, as a reference binds; not from a temporary one),
+// and holds no pointer a caller could hand it.
+class Replicas {
+ public:
+  Replicas() = default;
+  Replicas(ProcessGroup& group) noexcept : group_(&group) {}  // implicit: load_into(..., group, {}, replicas)
+  Replicas(ProcessGroup&&) = delete;
+  explicit operator bool() const noexcept { return group_ != nullptr; }
+  // Throws Errc::internal when there is none.
+  ProcessGroup& group() const;
+
+ private:
+  ProcessGroup* group_ = nullptr;
+};
+
 // Throws Errc::invalid_argument unless 0 <= root < size.
 void require_root(int root, int size);
 // Throws Errc::invalid_argument unless `counts` has one entry per member and adds up to `rows`.

@@ -120,7 +120,7 @@ Checked load_and_check(const DemoFlags& f, const CheckpointReader& reader, const
                                     {.method = method_of(f.method),
                                      .progress = progress.callback(),
                                      .staging = device.pool},
-                                    replicas.get());
+                                    *replicas);
     group.barrier();
     const demo::Verification v = demo::verify(config, training, group.rank(), model, values, device.engine.get());
     const std::lock_guard lock(m);

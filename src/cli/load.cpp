@@ -75,7 +75,7 @@ Outcome run(const LoadFlags& f, const demo::Layout& layout, const CheckpointRead
                      .progress = progress.callback(),
                      .staging = device.pool,
                      .bypass_page_cache = f.bypass_page_cache},
-                    replicas.get());
+                    *replicas);
     group.barrier();
     const demo::Verification v =
         f.verify ? demo::verify_tensors(model, group.rank(), device.engine.get(), demo_model.has_value())

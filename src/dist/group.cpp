@@ -42,6 +42,11 @@ std::vector<std::vector<std::byte>> ProcessGroup::gather(std::span<const std::by
   return all;
 }
 
+ProcessGroup& Replicas::group() const {
+  require(group_ != nullptr, Errc::internal, "no replica group");
+  return *group_;
+}
+
 void require_root(int root, int size) {
   require(root >= 0 && root < size, Errc::invalid_argument, "root ", root, " is outside a group of ", size);
 }

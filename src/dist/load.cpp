@@ -30,6 +30,7 @@ import shardckpt.engine;
 import shardckpt.storage;
 import shardckpt.state;
 import shardckpt.merge;
+import shardckpt.merge.seam;
 import :wire;
 import :protocol;
 
@@ -164,28 +165,48 @@ void require_thread_safe_hdf5(const ProcessGroup& group, bool thread_safe) {
           "thread-safe (H5is_library_threadsafe): run one process per rank (MPI), or link a thread-safe HDF5");
 }
 
+Values load_into(const CheckpointReader& reader, StateDict& state, LoadOptions options) {
+  return load_with(reader, state, options, CheckpointKind::global);
+}
+
+Values load_into(const fs::path& path, StateDict& state, LoadOptions options) {
+  const CheckpointReader reader(path);
+  notice_unchecked(reader, options);
+  return load_with(reader, state, options, CheckpointKind::global);
+}
+
+LoadedState load(const CheckpointReader& reader, const StateDict& request, LoadOptions options) {
+  return load_new(reader, request, options);
+}
+
+LoadedState load(const fs::path& path, const StateDict& request, LoadOptions options) {
+  const CheckpointReader reader(path);
+  notice_unchecked(reader, options);
+  return load_new(reader, request, options);
+}
+
 Values load_into(const CheckpointReader& reader, StateDict& state, ProcessGroup& group, LoadOptions options,
-                 ProcessGroup* replicas) {
+                 Replicas replicas) {
   require_thread_safe_hdf5(group);
   agree(group, cat("loading ", reader.path().string()), [&] { agree_on_checkpoint(reader, group); });
   check_destinations(state, group, reader.path());
   if (group.rank() == 0) notice_unchecked(reader, options);
   std::vector<ReplicaRows> shared;
   agree(group, cat("loading ", reader.path().string()), [&] { shared = replica_rows(state); });
-  options.read_own_share = replicas != nullptr && replicas->size() > 1 && !shared.empty() && can_share(*replicas, shared);
+  const bool share = replicas && replicas.group().size() > 1 && !shared.empty() && can_share(replicas.group(), shared);
   std::optional<Values> out;
   agree(group, cat("loading ", reader.path().string()), [&] {
-    if (options.read_own_share) check_replicas(state, *replicas);
-    out.emplace(load_into(reader, state, options));
+    if (share) check_replicas(state, replicas.group());
+    out.emplace(load_with(reader, state, options, CheckpointKind::global, share));
   });
   // Each copy read its share of every shard's rows: now they hand them to each other.
-  if (options.read_own_share)
-    for (const ReplicaRows& r : shared) replicas->all_gather_rows(r.rows, r.counts);
+  if (share)
+    for (const ReplicaRows& r : shared) replicas.group().all_gather_rows(r.rows, r.counts);
   return std::move(*out);
 }
 
 Values load_into(const fs::path& path, StateDict& state, ProcessGroup& group, LoadOptions options,
-                 ProcessGroup* replicas) {
+                 Replicas replicas) {
   const std::shared_ptr<const CheckpointReader> reader = open_agreed(path, group);
   return load_into(*reader, state, group, std::move(options), replicas);
 }
@@ -193,7 +214,7 @@ Values load_into(const fs::path& path, StateDict& state, ProcessGroup& group, Lo
 // Each rank maps what it can of its own request (entries whose rows no replicas share: those are read
 // in shares); a rank that fails to (a checksum mismatch) fails the load on every rank.
 LoadedState load(const CheckpointReader& reader, const StateDict& request, ProcessGroup& group, LoadOptions options,
-                 ProcessGroup* replicas) {
+                 Replicas replicas) {
   std::optional<Allocated> a;
   agree(group, cat("loading ", reader.path().string()), [&] { a.emplace(map_or_allocate(reader, request, options, false)); });
   Values values = load_into(reader, a->state, group, std::move(options), replicas);
@@ -201,7 +222,7 @@ LoadedState load(const CheckpointReader& reader, const StateDict& request, Proce
 }
 
 LoadedState load(const fs::path& path, const StateDict& request, ProcessGroup& group, LoadOptions options,
-                 ProcessGroup* replicas) {
+                 Replicas replicas) {
   const std::shared_ptr<const CheckpointReader> reader = open_agreed(path, group);
   return load(*reader, request, group, std::move(options), replicas);
 }

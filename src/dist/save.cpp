@@ -30,6 +30,7 @@ import shardckpt.engine;
 import shardckpt.storage;
 import shardckpt.state;
 import shardckpt.merge;
+import shardckpt.merge.seam;
 import :wire;
 import :protocol;
 

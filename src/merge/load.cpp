@@ -14,13 +14,14 @@ module;
 #include <utility>
 #include <variant>
 #include <vector>
-module shardckpt.merge;
+module shardckpt.merge.seam;
 import shardckpt.core;
 import shardckpt.layout;
 import shardckpt.views;
 import shardckpt.engine;
 import shardckpt.state;
 import shardckpt.storage;
+import shardckpt.merge;
 import :pieces;
 
 namespace shardckpt {
@@ -130,12 +131,12 @@ struct Placeholder {
 using Slot = std::variant<MutTensorView, Placeholder, CommonValue>;
 using Tree = std::map<std::string, Slot, std::less<>>;
 
-void load_tensors(Source& src, StateDict& state, const LoadOptions& options, Tree& tree) {
+void load_tensors(Source& src, StateDict& state, bool share, Tree& tree) {
   for (std::size_t i = 0; i < state.tensors().size(); ++i) {
     const ShardedTensor& t = state.tensors()[i];
     const std::string who = cat("tensor ", t.key);
     const MutTensorView dst = load_view(state.mut_data(i), t.dtype, t.shape, who);
-    tensor_pieces(t, dst, own_rows(t.shape.rows(), t.replica_id, t.replicas, options.read_own_share && !src.local()),
+    tensor_pieces(t, dst, own_rows(t.shape.rows(), t.replica_id, t.replicas, share && !src.local()),
                   [&](const PieceView<true>& piece) { src.read(piece, who); });
     tree.emplace(t.key, dst);
   }
@@ -143,15 +144,14 @@ void load_tensors(Source& src, StateDict& state, const LoadOptions& options, Tre
 
 // Loads every sharded parameter into its destination: pieces read into their rows, pad rows zeroed.
 // A padding-only rank reads nothing (its placeholder comes from the request, as a local value).
-void load_params(Source& src, StateDict& state, std::span<const RankPlan> plans, const LoadOptions& options,
-                 Tree& tree) {
+void load_params(Source& src, StateDict& state, std::span<const RankPlan> plans, bool share, Tree& tree) {
   for (std::size_t i = 0; i < plans.size(); ++i) {
     const ShardedParam& p = state.params()[i];
     const RankPlan& plan = plans[i];
     if (plan.padding_only) continue;
     const MutTensorView dst = load_view(state.mut_shard(i), p.dtype, p.shard_shape(), p.describe());
     const std::string who = p.describe();
-    param_pieces(p, plan, dst, own_rows(plan.real_rows, p.replica_id, p.replicas, options.read_own_share && !src.local()),
+    param_pieces(p, plan, dst, own_rows(plan.real_rows, p.replica_id, p.replicas, share && !src.local()),
                  [&](const PieceView<true>& piece) { src.read(piece, who); });
     if (p.flat) {  // the range's elements in pad rows
       const std::int64_t real_end = std::clamp(plan.real_rows * plan.row_elems, p.flat->begin, p.flat->end);
@@ -208,8 +208,8 @@ void require_recorded_divisors(const CheckpointReader& reader, const StateDict& 
 
 }  // namespace
 
-Values load_with(const CheckpointReader& reader, StateDict& state, const LoadOptions& options,
-                 CheckpointKind kind) {
+Values load_with(const CheckpointReader& reader, StateDict& state, const LoadOptions& options, CheckpointKind kind,
+                 bool read_own_share) {
   require(options.expect_id.empty() || reader.contents().id == options.expect_id, Errc::replaced,
           reader.path().string(), " holds checkpoint ", reader.contents().id, ", not ", options.expect_id,
           ": it was replaced since it was opened");
@@ -219,11 +219,12 @@ Values load_with(const CheckpointReader& reader, StateDict& state, const LoadOpt
   require_recorded_divisors(reader, state);
   require_disjoint(load_targets(state), "this rank");
   std::vector<RankPlan> plans;  // each parameter planned once, in the state dict's order
-  for (const ShardedParam& p : std::as_const(state).params()) plans.push_back(plan_rank(p.spec, p.gtp, p.align, p.coord));
+  for (const ShardedParam& p : std::as_const(state).params())
+    plans.push_back(plan_rank(p.spec, p.gtp, p.align, p.coord));
   Source src(reader, kind == CheckpointKind::local, options);
   Tree tree;
-  load_tensors(src, state, options, tree);
-  load_params(src, state, plans, options, tree);
+  load_tensors(src, state, read_own_share, tree);
+  load_params(src, state, plans, read_own_share, tree);
   // The complete tree first (shards, common values, local values), then the factory merges.
   for (const auto& [key, value] : reader.contents().common) tree.emplace(key, value);
   add_local_values(state, plans, tree);
@@ -284,16 +285,6 @@ void notice_unchecked(const CheckpointReader& reader, const LoadOptions& options
     options.notice(line);
   else
     std::cerr << "shardckpt: notice: " << line << "\n";
-}
-
-Values load_into(const CheckpointReader& reader, StateDict& state, LoadOptions options) {
-  return load_with(reader, state, options, CheckpointKind::global);
-}
-
-Values load_into(const fs::path& path, StateDict& state, LoadOptions options) {
-  const CheckpointReader reader(path);
-  notice_unchecked(reader, options);
-  return load_with(reader, state, options, CheckpointKind::global);
 }
 
 // The host memory the destinations of `request` take, checked against what this process can have
@@ -445,17 +436,10 @@ Allocated map_or_allocate(const CheckpointReader& reader, const StateDict& reque
   return out;
 }
 
-LoadedState load(const CheckpointReader& reader, const StateDict& request, LoadOptions options) {
+LoadedState load_new(const CheckpointReader& reader, const StateDict& request, const LoadOptions& options) {
   Allocated a = map_or_allocate(reader, request, options, true);
-  Values values = load_into(reader, a.state, options);
+  Values values = load_with(reader, a.state, options, CheckpointKind::global);
   return LoadedState(std::move(a.buffers), std::move(values));
-}
-
-
-LoadedState load(const fs::path& path, const StateDict& request, LoadOptions options) {
-  const CheckpointReader reader(path);
-  notice_unchecked(reader, options);
-  return load(reader, request, options);
 }
 
 std::vector<ReplicaRows> replica_rows(StateDict& state) {

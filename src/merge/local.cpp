@@ -21,7 +21,7 @@ import shardckpt.views;
 import shardckpt.engine;
 import shardckpt.state;
 import shardckpt.storage;
-import :pieces;
+import shardckpt.merge.seam;
 
 namespace shardckpt {
 namespace {

@@ -1,7 +1,7 @@
-// shardckpt.merge:pieces (implementation partition): what the save and the load of a state dict
-// share: views of parts of a shard, the rows one data-parallel copy handles, checks of datasets and
-// destinations, and the staging arena through which device rows go to and from files. It never
-// allocates a destination or copies a shard: pieces are views.
+// shardckpt.merge.seam:pieces: what the save and the load of a state dict share: one piece function
+// (views of a shard's rows at their dataset boxes), the rows one data-parallel copy handles, checks of
+// datasets and destinations, and the staging arena through which device rows go to and from files.
+// It never allocates a destination or copies a shard: pieces are views.
 module;
 #include <algorithm>
 #include <cstddef>
@@ -13,7 +13,7 @@ module;
 #include <string_view>
 #include <utility>
 #include <vector>
-module shardckpt.merge:pieces;
+export module shardckpt.merge.seam:pieces;
 import shardckpt.core;
 import shardckpt.layout;
 import shardckpt.views;
@@ -21,7 +21,7 @@ import shardckpt.engine;
 import shardckpt.state;
 import shardckpt.storage;
 
-namespace shardckpt {
+export namespace shardckpt {
 
 // Elements [offset, offset + rows * cols) of a 1-D view, seen as `rows` rows of `cols`.
 template <bool Mutable>
@@ -62,8 +62,8 @@ void tensor_pieces(const ShardedTensor& t, BasicView<Mutable> data, Range mine, 
     return;
   }
   const Box box = footprint(t.key, t.global_shape, t.global_offset, t.count());
-  f(PieceView<Mutable>{t.key, t.dtype, t.global_shape, Box{{box.rows.begin + mine.begin, box.rows.begin + mine.end}, box.cols},
-                       true, data.slice_rows(mine.begin, mine.end)});
+  const Box mine_box{{box.rows.begin + mine.begin, box.rows.begin + mine.end}, box.cols};
+  f(PieceView<Mutable>{t.key, t.dtype, t.global_shape, mine_box, true, data.slice_rows(mine.begin, mine.end)});
 }
 
 // Calls f(PieceView) for each piece of parameter `p`'s shard `shard` (planned as `plan`): with a flat
@@ -79,7 +79,8 @@ void param_pieces(const ShardedParam& p, const RankPlan& plan, BasicView<Mutable
         f(PieceView<Mutable>{piece.key, p.dtype, piece.global_shape, part.box, plan.main_replica,
                              reshaped(shard, part.range_offset, part.box.rows.size(), part.box.cols.size())});
       if (parts.empty())
-        f(PieceView<Mutable>{piece.key, p.dtype, piece.global_shape, Box{}, plan.main_replica, reshaped(shard, 0, 0, 0)});
+        f(PieceView<Mutable>{piece.key, p.dtype, piece.global_shape, Box{}, plan.main_replica,
+                             reshaped(shard, 0, 0, 0)});
     }
     return;
   }

@@ -21,7 +21,7 @@ import shardckpt.views;
 import shardckpt.engine;
 import shardckpt.state;
 import shardckpt.storage;
-import :pieces;
+import shardckpt.merge.seam;
 
 namespace shardckpt {
 
@@ -59,7 +59,7 @@ ReadAll read_all(const std::filesystem::path& path, const LoadLayout& layout, Lo
   std::set<std::string, std::less<>> scalars;
   for (const ShardedTensor& t : request.tensors())
     if (t.scalar()) scalars.insert(t.key);
-  return {load(reader, request, std::move(options)), std::move(scalars)};
+  return {load_new(reader, request, options), std::move(scalars)};
 }
 
 }  // namespace shardckpt

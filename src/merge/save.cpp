@@ -14,13 +14,14 @@ module;
 #include <utility>
 #include <variant>
 #include <vector>
-module shardckpt.merge;
+module shardckpt.merge.seam;
 import shardckpt.core;
 import shardckpt.layout;
 import shardckpt.views;
 import shardckpt.engine;
 import shardckpt.state;
 import shardckpt.storage;
+import shardckpt.merge;
 import :pieces;
 
 namespace shardckpt {
@@ -63,15 +64,6 @@ SavePlan plan_save(const StateDict& state, bool share_replicas) {
   for (const ShardedTensor& t : state.tensors()) add_tensor_items(t, share_replicas, out);
   for (const ShardedParam& p : state.params()) add_param_items(p, share_replicas, out);
   out.common = state.common();
-  return out;
-}
-
-SavePlan prepare_save(const StateDict& state) { return plan_save(state, true); }
-
-std::vector<Claim> claims_of(const SavePlan& plan, int rank) {
-  std::vector<Claim> out;
-  out.reserve(plan.items.size());
-  for (const SaveItem& i : plan.items) out.push_back({i.key, i.dtype, i.global_shape, i.box, rank, i.writes});
   return out;
 }
 

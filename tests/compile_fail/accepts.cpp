@@ -49,6 +49,13 @@ void entry_memory_changed(StateDict& s) {
   (void)s.mut_shard(0).mut_view();
 }
 
+// A load's replica group is a group its caller keeps, or none.
+void load_with_replicas(const std::filesystem::path& p, StateDict& s, ProcessGroup& g) {
+  const std::unique_ptr<ProcessGroup> replicas = g.split(0, g.rank());
+  (void)load_into(p, s, g, {}, *replicas);
+  (void)load_into(p, s, g, {}, Replicas());
+}
+
 HostBuffer counted_copy(const HostBuffer& b) { return b.deep_copy(); }
 
 // A loaded state owns its tensors: a named, non-const one lends them to a state dict that may be

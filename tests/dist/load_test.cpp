@@ -2,6 +2,8 @@
 // shared by the copies of a replica group, and ranks that must load one and the same checkpoint.
 #include "support.hpp"
 
+import shardckpt.merge.seam;  // load_with: one copy's share of a split read, as dist's load asks for it
+
 // Megatron's distributed optimizer: bf16 parameters shared by the DP copies, f32 Adam state in each
 // DP rank's flat range. DP 1 -> 4, 4 -> 2 and 3 -> 1, each with another TP, GTP and alignment, and
 // with a padding-only rank on both sides: every value comes back.
@@ -73,7 +75,7 @@ TEST(ReplicaReads, ACopyThatReadsItsOwnShareFillsOnlyThoseRows) {
     StateDict request = demo::request(c, l, r);
     const LoadedState full = load(dir / "c.h5", request);
     StateDict dst = demo::with_destinations(request);
-    (void)load_into(dir / "c.h5", dst, LoadOptions{.read_own_share = true});
+    (void)load_with(CheckpointReader(dir / "c.h5"), dst, {}, CheckpointKind::global, true);  // this copy's share
     for (const ShardedParam& p : dst.params()) {
       SCOPED_TRACE(cat(p.spec.key, " rank ", r));
       const RankPlan plan = plan_rank(p.spec, p.gtp, p.align, p.coord);

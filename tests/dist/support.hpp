@@ -125,7 +125,7 @@ inline ReplicaLoad load_through_replicas(const demo::ModelConfig& c, const demo:
       if (plan_rank(p.spec, p.gtp, p.align, p.coord).padding_only) padding_only = true;
     LoadOptions options;
     options.progress = [&](std::int64_t n) { bytes += n; };
-    const Values v = load_into(path, dst, g, options, use_replicas ? replicas.get() : nullptr);
+    const Values v = load_into(path, dst, g, options, use_replicas ? Replicas(*replicas) : Replicas());
     const demo::Verification check = demo::verify(c, t, g.rank(), dst, v);
     EXPECT_EQ(check.mismatches, 0) << demo::layout_text(l) << ": " << check.first_mismatch;
     values += check.values;

@@ -394,7 +394,7 @@ TEST(Scalars, OneOfTheReplicasWritesAndEveryReplicaLoads) {
     SharedBuffer s = one(DType::i64);
     StateDict into;
     into.add(ShardedTensor::of("step", s, {}, {}, g.rank(), g.size()));
-    (void)load_into(dir / "c.h5", into, g, {}, &g);  // the group is the replica group: one reads, all receive
+    (void)load_into(dir / "c.h5", into, g, {}, g);  // the group is the replica group: one reads, all receive
     got[static_cast<std::size_t>(g.rank())] = s.view().as<std::int64_t>()[0];
   });
   EXPECT_EQ(got, std::vector<std::int64_t>(4, 100));
