@@ -172,7 +172,7 @@ Values load_into(const CheckpointReader& reader, StateDict& state, LoadOptions o
 Values load_into(const fs::path& path, StateDict& state, LoadOptions options) {
   const CheckpointReader reader(path);
   notice_unchecked(reader, options);
-  return load_with(reader, state, options, CheckpointKind::global);
+  return load_into(reader, state, std::move(options));
 }
 
 LoadedState load(const CheckpointReader& reader, const StateDict& request, LoadOptions options) {
@@ -182,7 +182,7 @@ LoadedState load(const CheckpointReader& reader, const StateDict& request, LoadO
 LoadedState load(const fs::path& path, const StateDict& request, LoadOptions options) {
   const CheckpointReader reader(path);
   notice_unchecked(reader, options);
-  return load_new(reader, request, options);
+  return load(reader, request, std::move(options));
 }
 
 Values load_into(const CheckpointReader& reader, StateDict& state, ProcessGroup& group, LoadOptions options,

@@ -12,6 +12,7 @@ module;
 #include <string>
 #include <string_view>
 #include <utility>
+#include <tuple>
 #include <variant>
 #include <vector>
 module shardckpt.merge.seam;
@@ -112,15 +113,17 @@ class Source {
   bool local() const noexcept { return local_; }
 
  private:
-  static std::string place(std::string_view key, const Box& b) {
-    return cat(key, " ", b.rows.begin, " ", b.rows.end, " ", b.cols.begin, " ", b.cols.end);
+  // Where a local piece goes: its key and its box of the global dataset, compared as values.
+  using Place = std::tuple<std::string_view, std::int64_t, std::int64_t, std::int64_t, std::int64_t>;
+  static Place place(std::string_view key, const Box& b) {
+    return {key, b.rows.begin, b.rows.end, b.cols.begin, b.cols.end};
   }
 
   const CheckpointReader& reader_;
   bool local_;
   ReadOptions read_;
   std::optional<Arena> arena_;
-  std::map<std::string, const Dataset*, std::less<>> by_box_;  // local pieces by key and box
+  std::map<Place, const Dataset*> by_box_;  // local pieces by key and box (keys live in the reader)
 };
 
 // A tree of a load before the factory merges: each key's loaded shard (its destination, filled),
