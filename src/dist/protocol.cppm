@@ -205,6 +205,37 @@ inline Bytes checked(const std::function<void()>& check, Bytes payload) {
   });
 }
 
+// The objects the roots of groups of thread ranks have on loan, by ticket, with their types: one for
+// the process, so that a ticket taken as another type than it was lent as is refused, not cast.
+class LoanRegistry {
+ public:
+  static LoanRegistry& process() {
+    static LoanRegistry r;
+    return r;
+  }
+  std::uint64_t lend(std::type_index type, std::shared_ptr<const void> object) {
+    const std::lock_guard lock(mutex_);
+    lent_.emplace(++last_, std::pair{type, std::move(object)});
+    return last_;
+  }
+  std::shared_ptr<const void> take(std::type_index type, std::uint64_t ticket) const {
+    const std::lock_guard lock(mutex_);
+    const auto it = lent_.find(ticket);
+    require(it != lent_.end() && it->second.first == type, Errc::internal, "ticket ", ticket,
+            " names no object of this type on loan among the thread ranks");
+    return it->second.second;
+  }
+  void end(std::uint64_t ticket) {
+    const std::lock_guard lock(mutex_);
+    lent_.erase(ticket);
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::uint64_t last_ = 0;
+  std::map<std::uint64_t, std::pair<std::type_index, std::shared_ptr<const void>>> lent_;
+};
+
 // An object the root of a group whose members are threads of one process lends to the others (one
 // open checkpoint for all thread ranks): while the Loan lives, any member takes a share of it by its
 // ticket, a number that travels as metadata, and by its type. A ticket that names no object on loan,
@@ -212,45 +243,18 @@ inline Bytes checked(const std::function<void()>& check, Bytes payload) {
 template <class T>
 class Loan {
  public:
-  explicit Loan(std::shared_ptr<const T> object) : ticket_(registry().lend(typeid(T), std::move(object))) {}
+  explicit Loan(std::shared_ptr<const T> object)
+      : ticket_(LoanRegistry::process().lend(typeid(T), std::move(object))) {}
   Loan(const Loan&) = delete;
   Loan& operator=(const Loan&) = delete;
-  ~Loan() { registry().end(ticket_); }
+  ~Loan() { LoanRegistry::process().end(ticket_); }
 
   std::uint64_t ticket() const noexcept { return ticket_; }
   static std::shared_ptr<const T> take(std::uint64_t ticket) {
-    return std::static_pointer_cast<const T>(registry().take(typeid(T), ticket));
+    return std::static_pointer_cast<const T>(LoanRegistry::process().take(typeid(T), ticket));
   }
 
  private:
-  class Registry {
-   public:
-    std::uint64_t lend(std::type_index type, std::shared_ptr<const void> object) {
-      const std::lock_guard lock(mutex_);
-      lent_.emplace(++last_, std::pair{type, std::move(object)});
-      return last_;
-    }
-    std::shared_ptr<const void> take(std::type_index type, std::uint64_t ticket) const {
-      const std::lock_guard lock(mutex_);
-      const auto it = lent_.find(ticket);
-      require(it != lent_.end() && it->second.first == type, Errc::internal, "ticket ", ticket,
-              " names no object of this type on loan among the thread ranks");
-      return it->second.second;
-    }
-    void end(std::uint64_t ticket) {
-      const std::lock_guard lock(mutex_);
-      lent_.erase(ticket);
-    }
-
-   private:
-    mutable std::mutex mutex_;
-    std::uint64_t last_ = 0;
-    std::map<std::uint64_t, std::pair<std::type_index, std::shared_ptr<const void>>> lent_;
-  };
-  static Registry& registry() {
-    static Registry r;
-    return r;
-  }
   std::uint64_t ticket_;
 };
 

@@ -11,8 +11,8 @@ module;
 #include <span>
 #include <string>
 #include <string_view>
-#include <utility>
 #include <tuple>
+#include <utility>
 #include <variant>
 #include <vector>
 module shardckpt.merge.seam;
@@ -27,8 +27,6 @@ import :pieces;
 
 namespace shardckpt {
 namespace {
-
-namespace fs = std::filesystem;
 
 // Where the slabs of a load come from, and how their bytes reach their destination: straight into
 // host memory, or into device memory through the pool's pinned buffers (while the engine copies
@@ -152,8 +150,8 @@ void load_params(Source& src, StateDict& state, std::span<const RankPlan> plans,
     const ShardedParam& p = state.params()[i];
     const RankPlan& plan = plans[i];
     if (plan.padding_only) continue;
-    const MutTensorView dst = load_view(state.mut_shard(i), p.dtype, p.shard_shape(), p.describe());
     const std::string who = p.describe();
+    const MutTensorView dst = load_view(state.mut_shard(i), p.dtype, p.shard_shape(), who);
     param_pieces(p, plan, dst, own_rows(plan.real_rows, p.replica_id, p.replicas, share && !src.local()),
                  [&](const PieceView<true>& piece) { src.read(piece, who); });
     if (p.flat) {  // the range's elements in pad rows

@@ -16,6 +16,13 @@ import :raw;
 
 namespace shardckpt {
 
+namespace {
+// A dataset's bytes, checked against overflow (a header may claim any shape).
+std::int64_t dataset_bytes(const Dataset& d) {
+  return checked_mul(element_count(d.shape), element_bytes(d.dtype), "dataset bytes");
+}
+}  // namespace
+
 InspectReport inspect_checkpoint(const CheckpointReader& reader) {
   InspectReport out;
   const CheckpointContents& c = reader.contents();
@@ -26,7 +33,7 @@ InspectReport inspect_checkpoint(const CheckpointReader& reader) {
   out.checksummed = reader.checksummed();
   out.params = reader.params();
   for (const Dataset& d : reader.datasets()) {
-    const std::int64_t bytes = checked_mul(element_count(d.shape), element_bytes(d.dtype), "dataset bytes");
+    const std::int64_t bytes = dataset_bytes(d);
     out.bytes = checked_add(out.bytes, bytes, "checkpoint bytes");
     out.tensors.push_back({d.key, d.dtype, d.shape, bytes});
   }
@@ -46,9 +53,7 @@ VerifyReport verify_checkpoint(const CheckpointReader& reader,
   report.checksummed = reader.checksummed();
   (void)reader.params();
   std::int64_t total = 0, done = 0;
-  for (const Dataset& d : reader.datasets())
-    total = checked_add(total, checked_mul(element_count(d.shape), element_bytes(d.dtype), "dataset bytes"),
-                        "checkpoint bytes");
+  for (const Dataset& d : reader.datasets()) total = checked_add(total, dataset_bytes(d), "checkpoint bytes");
   report.datasets = static_cast<std::int64_t>(reader.datasets().size());
   report.bytes = total;
   if (!report.checksummed) return report;
