@@ -1,14 +1,22 @@
-// Tests for shardckpt.core: checked arithmetic, the dtype table, and the 16-bit float types.
+// Tests for shardckpt.core: checked arithmetic, the dtype table, and the 16-bit float types; and for
+// shardckpt.guarded, the types that hold shared state.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <concepts>
 #include <cstdint>
+#include <atomic>
+#include <chrono>
 #include <limits>
+#include <mutex>
+#include <stdexcept>
 #include <span>
 #include <string>
+#include <thread>
 #include <type_traits>
+#include <vector>
 import shardckpt.core;
+import shardckpt.guarded;  // internal: its types, tested directly
 
 using namespace shardckpt;
 
@@ -96,4 +104,64 @@ TEST(Dtypes, F16RoundsToNearestEvenIncludingSubnormals) {
     EXPECT_EQ(to_f16(to_f32(h)).bits(), h.bits()) << bits;
   }
   EXPECT_TRUE(std::isnan(to_f32(to_f16(std::nanf("")))));
+}
+
+// A Lazy is made once however many threads ask at once, and all of them get the one value.
+TEST(Lazy, IsMadeOnceForThreadsThatAskTogether) {
+  const Lazy<std::vector<int>> lazy;
+  std::atomic<int> made{0};
+  std::vector<const std::vector<int>*> got(8);
+  {
+    std::vector<std::jthread> threads;
+    for (std::size_t t = 0; t < got.size(); ++t)
+      threads.emplace_back([&, t] {
+        got[t] = &lazy.get([&] {
+          ++made;
+          std::this_thread::yield();
+          return std::vector<int>(1000, 7);
+        });
+      });
+  }
+  EXPECT_EQ(made.load(), 1);
+  for (const auto* v : got) {
+    EXPECT_EQ(v, got[0]);
+    EXPECT_EQ(v->size(), 1000u);
+  }
+  EXPECT_TRUE(lazy.made());
+}
+
+// A maker that throws leaves the Lazy unmade: the error reaches its caller, the next caller makes it.
+TEST(Lazy, StaysUnmadeWhenItsMakerThrows) {
+  const Lazy<int> lazy;
+  EXPECT_THROW((void)lazy.get([]() -> int { throw std::runtime_error("no"); }), std::runtime_error);
+  EXPECT_FALSE(lazy.made());
+  EXPECT_EQ(lazy.get([] { return 5; }), 5);
+  EXPECT_EQ(lazy.get([] { return 6; }), 5);  // made once: never changed after
+}
+
+// A Guarded value is reached only while its lock is held: two threads adding under it never lose an
+// addition, and a thread that takes the lock waits for the handle another holds.
+TEST(Guarded, HoldsItsLockAsLongAsTheHandle) {
+  const Guarded<std::vector<int>> g;
+  {
+    std::vector<std::jthread> threads;
+    for (int t = 0; t < 4; ++t)
+      threads.emplace_back([&] {
+        for (int i = 0; i < 1000; ++i) g.lock()->push_back(i);
+      });
+  }
+  EXPECT_EQ(g.lock()->size(), 4000u);
+  std::atomic<bool> entered{false};
+  std::jthread other;
+  {
+    const auto held = g.lock();
+    other = std::jthread([&] {
+      (void)g.lock();
+      entered = true;
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    EXPECT_FALSE(entered.load()) << "another thread took the lock while a handle held it";
+  }
+  other.join();  // the handle is gone: the other thread gets the lock
+  EXPECT_TRUE(entered.load());
 }

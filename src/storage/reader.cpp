@@ -9,7 +9,7 @@ module;
 #include <filesystem>
 #include <map>
 #include <memory>
-#include <mutex>
+#include <mutex>  // Guarded's lock, instantiated here
 #include <optional>
 #include <set>
 #include <span>
@@ -189,7 +189,7 @@ CheckpointReader::CheckpointReader(const fs::path& path, OpenOptions options) : 
     m.seal = seal->digest;
     m.sealed = std::move(seal->pages);
   }
-  m.cached.emplace(m.file, io::PageCache::use);
+  m.raw.emplace(m.path, m.dir, m.file);
   m.channel = m.sealed ? std::make_unique<hdf5::Channel>(m.file, *m.sealed) : std::make_unique<hdf5::Channel>(m.file);
   try {
     m.h5 = hdf5::open_file(*m.channel, false, Errc::not_a_checkpoint);
@@ -197,6 +197,7 @@ CheckpointReader::CheckpointReader(const fs::path& path, OpenOptions options) : 
     if (e.code() == Errc::io || e.code() == Errc::corrupt) throw;
     m.refuse(cat("not an HDF5 file HDF5 can open (", e.what(), ")"));
   }
+  m.hdf5.emplace(m.path, m.h5.get());
   m.read_metadata();
 }
 
@@ -205,39 +206,41 @@ CheckpointReader& CheckpointReader::operator=(CheckpointReader&&) noexcept = def
 CheckpointReader::~CheckpointReader() = default;
 
 // The entry of a dataset, its header read on first use (only the datasets a rank looks at).
-ReaderState::Entry& ReaderState::entry(std::string_view key) {
-  const auto it = index.find(key);
-  if (it != index.end()) return it->second;
+// Under the index's lock, so that two threads never read one header; the entry itself, never changed
+// after, is read without it.
+const ReaderState::Entry& ReaderState::entry(std::string_view key) const {
+  const auto held = index.lock();
+  const auto it = held->find(key);
+  if (it != held->end()) return it->second;
   const std::string name(key);
   const Where w{path, name, "find the dataset"};
   require(name != meta_group && io::plain_name(name) && hdf5::link_exists(h5.get(), name.c_str(), w),
           Errc::missing_key, "key ", key, " is not in ", path.string());
-  Entry e;
-  read_header(name, e);
-  return index.emplace(name, std::move(e)).first->second;
+  return held->try_emplace(name, read_header(name)).first->second;
 }
 
-void ReaderState::read_header(const std::string& name, Entry& e) const {
+ReaderState::Entry::Header ReaderState::read_header(const std::string& name) const {
+  Entry::Header e;
   const Where dw{path, name, "read the dataset header"};
   const Errc no = Errc::not_a_checkpoint;
   if (!hdf5::hard_link_exists(h5.get(), name.c_str(), dw)) {
     e.skipped = "a soft or external link (not followed)";
-    return;
+    return e;
   }
   if (hdf5::object_type(h5.get(), name.c_str(), dw) != H5O_TYPE_DATASET) {
     e.skipped = "not a dataset";
-    return;
+    return e;
   }
   Hid set = owned(H5Dopen2(h5.get(), name.c_str(), H5P_DEFAULT), H5Dclose, dw, no);
   Hid type = owned(H5Dget_type(set.get()), H5Tclose, dw, no);
   const std::optional<DType> dtype = hdf5::dtype_of(type.get());
   if (!dtype) {
     e.skipped = "an element type shardckpt does not store";
-    return;
+    return e;
   }
   if (hdf5::null_dataspace(set.get(), dw, no)) {
     e.skipped = "a dataset without a value (a null dataspace)";
-    return;
+    return e;
   }
   std::vector<std::int64_t> shape = hdf5::shape_of(set.get(), dw, no);  // [] for a scalar, a tensor too
   Dataset info{name, *dtype, std::move(shape)};
@@ -265,6 +268,7 @@ void ReaderState::read_header(const std::string& name, Entry& e) const {
     info.placement = std::move(p);
   }
   e.info = std::move(info);
+  return e;
 }
 
 // How the dataset's bytes are stored, refusing what the reader cannot read as the file means it.
@@ -273,7 +277,7 @@ void ReaderState::read_header(const std::string& name, Entry& e) const {
 // directory, which the reader opens itself (a file could otherwise make a load read any file its
 // user can, /etc/shadow, say); data that was never stored (HDF5 would read its fill value) is
 // refused.
-void ReaderState::read_storage(hid_t set, const std::string& name, Entry& e, const Where& w) const {
+void ReaderState::read_storage(hid_t set, const std::string& name, Entry::Header& e, const Where& w) const {
   Hid dcpl = owned(H5Dget_create_plist(set), H5Pclose, w, Errc::not_a_checkpoint);
   if (H5Pget_layout(dcpl.get()) == H5D_VIRTUAL)
     refuse(cat("dataset ", name, " is an HDF5 virtual dataset (its bytes live in other files, and read as fill ",
@@ -296,18 +300,8 @@ void ReaderState::read_storage(hid_t set, const std::string& name, Entry& e, con
     refuse(cat("dataset ", name, " has elements that were never stored (HDF5 would read them as its fill value)"));
 }
 
-ReaderState::External& ReaderState::external(const std::string& name) {
-  const auto it = externals.find(name);
-  if (it != externals.end()) return it->second;
-  io::File f = dir.open_regular(name, Errc::not_a_checkpoint);
-  External& out = externals.try_emplace(name).first->second;
-  out.file = std::move(f);
-  out.bulk.emplace(out.file, io::PageCache::use);
-  return out;
-}
-
-const Dataset& ReaderState::info(std::string_view key) {
-  Entry& e = entry(key);
+const Dataset& ReaderState::info(std::string_view key) const {
+  const Entry& e = entry(key);
   if (!e.info) refuse(cat("the object ", key, " is ", e.skipped, ", not a tensor"));
   return *e.info;
 }
@@ -339,62 +333,48 @@ std::uint64_t CheckpointReader::fingerprint() const {
 }
 
 const std::vector<ParamRecord>& CheckpointReader::params() const {
-  ReaderState& m = *impl_;
-  {
-    const std::lock_guard lock(m.mutex);
-    if (m.checked_params) return *m.checked_params;
-  }
-  check_records(
-      m.contents.params,
-      [&](const std::string& key) -> const Dataset& {
-        const std::lock_guard lock(m.mutex);
-        return m.info(key);
-      },
-      [&](const ParamRecord& r, std::string_view why) {
-        m.refuse(cat("attribute params: the record of ", r.key, " ", why));
-      });
-  const std::lock_guard lock(m.mutex);
-  if (!m.checked_params) m.checked_params = m.contents.params;
-  return *m.checked_params;
+  const ReaderState& m = *impl_;
+  return m.checked_params.get([&] {
+    check_records(
+        m.contents.params, [&](const std::string& key) -> const Dataset& { return m.info(key); },
+        [&](const ParamRecord& r, std::string_view why) {
+          m.refuse(cat("attribute params: the record of ", r.key, " ", why));
+        });
+    return m.contents.params;
+  });
 }
 
-const std::vector<Dataset>& CheckpointReader::datasets() const {
-  ReaderState& m = *impl_;
-  const std::lock_guard lock(m.mutex);
-  if (!m.all) {
-    std::vector<Dataset> all;
-    std::vector<std::pair<std::string, std::string>> skipped;
+namespace {
+
+const ReaderState::Listing& listing(const ReaderState& m) {
+  return m.listing.get([&] {
+    ReaderState::Listing out;
     for (const std::string& name : hdf5::link_names(m.h5.get(), {m.path, "", "list the datasets"})) {
       if (name == meta_group) continue;
       const ReaderState::Entry& e = m.entry(name);
       if (e.info)
-        all.push_back(*e.info);
+        out.all.push_back(*e.info);
       else
-        skipped.emplace_back(name, e.skipped);
+        out.skipped.emplace_back(name, e.skipped);
     }
-    m.all = std::move(all);
-    m.skipped = std::move(skipped);
-  }
-  return *m.all;
+    return out;
+  });
 }
+
+}  // namespace
+
+const std::vector<Dataset>& CheckpointReader::datasets() const { return listing(*impl_).all; }
 
 const std::vector<std::pair<std::string, std::string>>& CheckpointReader::skipped() const {
-  (void)datasets();
-  return *impl_->skipped;
+  return listing(*impl_).skipped;
 }
 
-const Dataset& CheckpointReader::dataset(std::string_view key) const {
-  ReaderState& m = *impl_;
-  const std::lock_guard lock(m.mutex);
-  return m.info(key);
-}
+const Dataset& CheckpointReader::dataset(std::string_view key) const { return impl_->info(key); }
 
 std::vector<Slab> CheckpointReader::slabs(const Dataset& d) const {
-  ReaderState& m = *impl_;
-  const std::lock_guard lock(m.mutex);
-  ReaderState::Entry& e = m.entry(d.key);
+  const ReaderState& m = *impl_;
   (void)m.info(d.key);
-  return m.slabs_for(e);
+  return m.slabs_for(m.entry(d.key)).slabs;
 }
 
 }  // namespace shardckpt

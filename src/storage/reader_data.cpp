@@ -9,7 +9,7 @@ module;
 #include <filesystem>
 #include <map>
 #include <memory>
-#include <mutex>
+#include <mutex>  // Guarded's lock, instantiated here
 #include <optional>
 #include <set>
 #include <span>
@@ -40,14 +40,22 @@ using hdf5::Where;
 
 }  // namespace
 
-const std::vector<RawRegion>& ReaderState::regions_for(Entry& e) {
-  if (e.regions) return *e.regions;
+const std::vector<RawRegion>& ReaderState::regions_for(const Entry& e) const {
+  return e.regions.get([&] { return find_regions(e); });
+}
+
+const ReaderState::Entry::SlabTable& ReaderState::slabs_for(const Entry& e) const {
+  return e.slabs.get([&] { return read_slab_table(e); });
+}
+
+// Where the dataset's bytes lie: each region inside its file, or the file is refused.
+std::vector<RawRegion> ReaderState::find_regions(const Entry& e) const {
   const Dataset& d = *e.info;
   std::vector<RawRegion> extents;
   std::uint64_t size = file_size;
   std::string_view where = "the file";
   if (e.external) {
-    size = external(*e.external).file.size();
+    size = raw->external(*e.external).file.size();
     where = *e.external;
     if (!whole_box(d.shape).empty()) extents.push_back({whole_box(d.shape), e.external_offset});
   } else {
@@ -62,11 +70,12 @@ const std::vector<RawRegion>& ReaderState::regions_for(Entry& e) {
       refuse(cat("dataset ", d.key, " ends at byte ", x.address + bytes, " but ", where, " has ", size,
                  " (truncated)"));
   }
-  return *(e.regions = std::move(extents));
+  return extents;
 }
 
-const std::vector<Slab>& ReaderState::slabs_for(Entry& e) {
-  if (e.slabs) return *e.slabs;
+// The dataset's slabs (which checksums describe which rows), each inside the dataset and the
+// checksum table, together covering the dataset exactly once.
+ReaderState::Entry::SlabTable ReaderState::read_slab_table(const Entry& e) const {
   const Dataset& d = *e.info;
   const Box whole = whole_box(d.shape);
   std::vector<Slab> slabs;
@@ -97,10 +106,11 @@ const std::vector<Slab>& ReaderState::slabs_for(Entry& e) {
                                                   : a.box.cols.begin < b.box.cols.begin;
     });
   }
+  Entry::SlabTable out{std::move(slabs), {}};
   std::int64_t reach = 0;
-  e.slab_reach.reserve(slabs.size());
-  for (const Slab& s : slabs) e.slab_reach.push_back(reach = std::max(reach, s.box.rows.end));
-  return *(e.slabs = std::move(slabs));
+  out.reach.reserve(out.slabs.size());
+  for (const Slab& s : out.slabs) out.reach.push_back(reach = std::max(reach, s.box.rows.end));
+  return out;
 }
 
 void ReaderState::read_checksums(std::int64_t first, std::int64_t n, std::uint64_t* out) const {
@@ -114,92 +124,68 @@ void ReaderState::read_checksums(std::int64_t first, std::int64_t n, std::uint64
                  1, 0, {path, checksums_set, "read checksums"});
 }
 
-namespace {
+const RawSource::External& RawSource::external(const std::string& name) const {
+  const auto held = externals_.lock();
+  const auto it = held->find(name);
+  if (it != held->end()) return it->second;
+  io::File f = dir_.open_regular(name, Errc::not_a_checkpoint);
+  External& out = held->try_emplace(name).first->second;
+  out.file = std::move(f);
+  out.bulk.emplace(out.file, io::PageCache::use);
+  return out;
+}
 
-
-// How the bytes of a box of a dataset reach the caller's rows (row i of the box at mem + i *
-// mem_row_elems elements, mem_col elements in): one of the two I/O strategies.
-class SlabSource {
- public:
-  virtual ~SlabSource() = default;
-  virtual void read(ReaderState& m, const Dataset& d, ReaderState::Entry& e, const Box& box, std::byte* mem,
-                    std::int64_t mem_row_elems, std::int64_t mem_col, const ReadOptions& options) const = 0;
-};
-
-// By address: the dataset's raw regions in the checkpoint, or in the external file beside it, read
-// by the reader's own descriptors (through the page cache, or around it where asked).
-class RawSource final : public SlabSource {
- public:
-  void read(ReaderState& m, const Dataset& d, ReaderState::Entry& e, const Box& box, std::byte* mem, std::int64_t mem_row_elems,
-            std::int64_t mem_col, const ReadOptions& options) const override {
-    const std::int64_t es = element_bytes(d.dtype);
-    const io::File* from = &m.file;
-    const io::BulkReader* bulk = &*m.cached;
-    const std::vector<RawRegion>* regions = nullptr;
-    {
-      const std::lock_guard lock(m.mutex);
-      regions = &m.regions_for(e);
-      if (e.external) {
-        ReaderState::External& x = m.external(*e.external);
-        from = &x.file;
-        bulk = &*x.bulk;
-      } else if (options.bypass_page_cache) {
-        if (!m.uncached) m.uncached.emplace(m.file, io::PageCache::bypass);
-        bulk = &*m.uncached;
-      }
-    }
-    const std::int64_t stride = mem_row_elems * es;
-    transfer(m.path, *regions, es, box, mem + mem_col * es, stride,
-             [&](std::byte* q, std::size_t run, std::size_t rows, std::uint64_t at, std::int64_t file_stride) {
-               const auto s = static_cast<std::size_t>(stride);
-               if (static_cast<std::int64_t>(run) != file_stride)  // part of each file row: few bytes, scattered
-                 for (std::size_t r = 0; r < rows; ++r)
-                   from->pread_all(q + r * s, run, at + r * static_cast<std::uint64_t>(file_stride));
-               else if (run == s)
-                 bulk->read(q, run * rows, at);
-               else
-                 bulk->read_runs(q, run, s, rows, at);
-             });
+void RawSource::read(const Dataset& d, const DatasetEntry& e, std::span<const RawRegion> regions, const Box& box,
+                     std::byte* mem, std::int64_t mem_row_elems, std::int64_t mem_col,
+                     const ReadOptions& options) const {
+  const std::int64_t es = element_bytes(d.dtype);
+  const io::File* from = &file_;
+  const io::BulkReader* bulk = &cached_;
+  if (e.external) {
+    const External& x = external(*e.external);
+    from = &x.file;
+    bulk = &*x.bulk;
+  } else if (options.bypass_page_cache) {
+    bulk = uncached_.get([&] { return std::make_unique<io::BulkReader>(file_, io::PageCache::bypass); }).get();
   }
-};
+  const std::int64_t stride = mem_row_elems * es;
+  transfer(path_, regions, es, box, mem + mem_col * es, stride,
+           [&](std::byte* q, std::size_t run, std::size_t rows, std::uint64_t at, std::int64_t file_stride) {
+             const auto s = static_cast<std::size_t>(stride);
+             if (static_cast<std::int64_t>(run) != file_stride)  // part of each file row: few bytes, scattered
+               for (std::size_t r = 0; r < rows; ++r)
+                 from->pread_all(q + r * s, run, at + r * static_cast<std::uint64_t>(file_stride));
+             else if (run == s)
+               bulk->read(q, run * rows, at);
+             else
+               bulk->read_runs(q, run, s, rows, at);
+           });
+}
 
-// HDF5 hyperslab reads, for IoMethod::hyperslab and for what the raw path cannot address (filtered
-// data, many small chunks, another byte order).
-class Hdf5Source final : public SlabSource {
- public:
-  void read(ReaderState& m, const Dataset& d, ReaderState::Entry&, const Box& box, std::byte* mem, std::int64_t mem_row_elems,
-            std::int64_t mem_col, const ReadOptions&) const override {
-    const Where w{m.path, d.key, "read a piece"};
-    Hid set = owned(H5Dopen2(m.h5.get(), d.key.c_str(), H5P_DEFAULT), H5Dclose, w, Errc::not_a_checkpoint);
-    hdf5::read_box(set.get(), d.dtype, d.shape, box, mem, mem_row_elems, mem_col, w);
-  }
-};
-
-const RawSource raw_source;
-const Hdf5Source hdf5_source;
+void Hdf5Source::read(const Dataset& d, const Box& box, std::byte* mem, std::int64_t mem_row_elems,
+                      std::int64_t mem_col) const {
+  const Where w{path_, d.key, "read a piece"};
+  Hid set = owned(H5Dopen2(h5_, d.key.c_str(), H5P_DEFAULT), H5Dclose, w, Errc::not_a_checkpoint);
+  hdf5::read_box(set.get(), d.dtype, d.shape, box, mem, mem_row_elems, mem_col, w);
+}
 
 // The strategy, chosen in this one place: bytes in an external file always by address (HDF5 would
 // open the file by name), others by address when asked and addressable, else through HDF5.
-const SlabSource& source_for(ReaderState& m, ReaderState::Entry& e, const ReadOptions& options) {
-  if (e.external) return raw_source;
-  const std::lock_guard lock(m.mutex);
-  return options.method == IoMethod::raw && !m.regions_for(e).empty() ? static_cast<const SlabSource&>(raw_source)
-                                                                      : hdf5_source;
-}
-
-}  // namespace
-
-void ReaderState::read_unchecked(const Dataset& d, Entry& e, const Box& box, std::byte* mem,
-                                      std::int64_t mem_row_elems, std::int64_t mem_col, const ReadOptions& options) {
-  source_for(*this, e, options).read(*this, d, e, box, mem, mem_row_elems, mem_col, options);
+void ReaderState::read_unchecked(const Dataset& d, const Entry& e, const Box& box, std::byte* mem,
+                                 std::int64_t mem_row_elems, std::int64_t mem_col, const ReadOptions& options) const {
+  if (e.external || options.method == IoMethod::raw) {
+    const std::vector<RawRegion>& regions = regions_for(e);
+    if (e.external || !regions.empty()) return raw->read(d, e, regions, box, mem, mem_row_elems, mem_col, options);
+  }
+  hdf5->read(d, box, mem, mem_row_elems, mem_col);
 }
 
 // Reads `sub` (the part of `box` that slab `s` holds) into `out` (the rows of `box`), checking
 // every row read against its checksum in batches. Whole rows (the slab's rows lie inside the box's
 // columns) are read in place; rows that reach past the box are read whole into scratch memory,
 // checked, and the asked-for part copied.
-void ReaderState::read_checked(const Dataset& d, Entry& e, const Slab& s, const Box& sub,
-                                          const Box& box, std::byte* out, const ReadOptions& options) {
+void ReaderState::read_checked(const Dataset& d, const Entry& e, const Slab& s, const Box& sub, const Box& box,
+                               std::byte* out, const ReadOptions& options) const {
   const std::int64_t es = element_bytes(d.dtype), width = box.cols.size();
   const auto mismatch = [&](std::int64_t row) {
     throw Error(Errc::corrupt, cat(path.string(), ": key ", d.key, ", ",
@@ -238,33 +224,29 @@ void ReaderState::read_checked(const Dataset& d, Entry& e, const Slab& s, const 
 }
 
 void CheckpointReader::read(const Dataset& d, const Box& box, MutTensorView dst, ReadOptions options) const {
-  ReaderState& m = *impl_;
+  const ReaderState& m = *impl_;
   check_box(d, box, dst.dtype(), dst.bytes(), m.path);
   if (box.empty()) return;
   auto* out = static_cast<std::byte*>(static_cast<void*>(dst.data()));
   const std::int64_t es = element_bytes(d.dtype), width = box.cols.size();
-  ReaderState::Entry* e = nullptr;
-  const std::vector<Slab>* slabs = nullptr;
-  {
-    const std::lock_guard lock(m.mutex);
-    e = &m.entry(d.key);
-    (void)m.info(d.key);
-    if (options.verify && m.checksummed) slabs = &m.slabs_for(*e);
-  }
-  if (!slabs) {
-    m.read_unchecked(d, *e, box, out, width, 0, options);
+  (void)m.info(d.key);
+  const ReaderState::Entry& e = m.entry(d.key);
+  if (!options.verify || !m.checksummed) {
+    m.read_unchecked(d, e, box, out, width, 0, options);
     if (options.progress) options.progress(box_elements(box) * es);
     return;
   }
   std::int64_t covered = 0;
   // The slabs that can meet the box: those starting before its end whose reach passes its start.
-  const auto first = std::upper_bound(e->slab_reach.begin(), e->slab_reach.end(), box.rows.begin) - e->slab_reach.begin();
-  for (auto i = static_cast<std::size_t>(first); i < slabs->size() && (*slabs)[i].box.rows.begin < box.rows.end; ++i) {
-    const Slab& s = (*slabs)[i];
+  const ReaderState::Entry::SlabTable& table = m.slabs_for(e);
+  const std::vector<Slab>& slabs = table.slabs;
+  const auto first = std::upper_bound(table.reach.begin(), table.reach.end(), box.rows.begin) - table.reach.begin();
+  for (auto i = static_cast<std::size_t>(first); i < slabs.size() && slabs[i].box.rows.begin < box.rows.end; ++i) {
+    const Slab& s = slabs[i];
     const Box sub = s.box.intersect(box);
     if (sub.empty()) continue;
     covered += box_elements(sub);
-    m.read_checked(d, *e, s, sub, box, out, options);
+    m.read_checked(d, e, s, sub, box, out, options);
   }
   require(covered == box_elements(box), Errc::not_a_checkpoint, m.path.string(), ": the slab table of ", d.key,
           " does not cover ", rows_text(box, whole_box(d.shape)));

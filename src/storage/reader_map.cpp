@@ -117,11 +117,10 @@ void advise_pages(const std::byte* p, std::size_t bytes) {
 // A part of a mapped tensor, located in the file.
 struct Located {
   const Dataset* d = nullptr;
-  ReaderState::Entry* e = nullptr;
   Box box;
   std::uint64_t at = 0;    // its first byte in the file
   std::size_t bytes = 0;
-  const std::vector<Slab>* slabs = nullptr;  // to check it against (none: unchecked)
+  const ReaderState::Entry::SlabTable* slabs = nullptr;  // to check it against (none: unchecked)
 };
 
 // The checksums of a part's rows, one run per slab it meets (slabs from `first_slab` on, in order),
@@ -135,14 +134,15 @@ struct PartChecksums {
 
 // The slabs of `p` that may meet its rows: from the first whose rows reach past its first row.
 std::size_t first_slab(const Located& p) {
-  const auto& reach = p.e->slab_reach;
+  const auto& reach = p.slabs->reach;
   return static_cast<std::size_t>(std::upper_bound(reach.begin(), reach.end(), p.box.rows.begin) - reach.begin());
 }
 
-PartChecksums read_part_checksums(ReaderState& m, const Located& p) {
+PartChecksums read_part_checksums(const ReaderState& m, const Located& p) {
   PartChecksums out{first_slab(p), p.box.rows, {}};
-  for (std::size_t i = out.first_slab; i < p.slabs->size() && (*p.slabs)[i].box.rows.begin < p.box.rows.end; ++i) {
-    const Slab& s = (*p.slabs)[i];
+  const std::vector<Slab>& slabs = p.slabs->slabs;
+  for (std::size_t i = out.first_slab; i < slabs.size() && slabs[i].box.rows.begin < p.box.rows.end; ++i) {
+    const Slab& s = slabs[i];
     const Box sub = s.box.intersect(p.box);
     std::vector<std::uint64_t>& sums = out.by_slab.emplace_back();
     if (sub.empty()) continue;
@@ -154,14 +154,15 @@ PartChecksums read_part_checksums(ReaderState& m, const Located& p) {
 
 // Every row of `p` (rows of the part `sums` were read for), which lies at `rows` in memory, checked
 // against its checksum.
-void verify_rows(ReaderState& m, const Located& p, const std::byte* rows, const PartChecksums& sums,
+void verify_rows(const ReaderState& m, const Located& p, const std::byte* rows, const PartChecksums& sums,
                  const ReadOptions& options) {
   const Dataset& d = *p.d;
   const Box& box = p.box;
   const std::int64_t es = element_bytes(d.dtype), width = box.cols.size();
+  const std::vector<Slab>& slabs = p.slabs->slabs;
   std::int64_t covered = 0;
-  for (std::size_t i = first_slab(p); i < p.slabs->size() && (*p.slabs)[i].box.rows.begin < box.rows.end; ++i) {
-    const Slab& s = (*p.slabs)[i];
+  for (std::size_t i = first_slab(p); i < slabs.size() && slabs[i].box.rows.begin < box.rows.end; ++i) {
+    const Slab& s = slabs[i];
     const Box sub = s.box.intersect(box);
     if (sub.empty()) continue;
     covered += box_elements(sub);
@@ -190,7 +191,7 @@ void verify_rows(ReaderState& m, const Located& p, const std::byte* rows, const 
 // order, so that on a cold file they all follow the pages as the disk brings them, and no run is left
 // to check after the last page came. The first mismatch in row order is the one reported;
 // `options.progress` is called by one thread at a time.
-void verify_part(ReaderState& m, const Located& p, const std::byte* rows, const PartChecksums& sums,
+void verify_part(const ReaderState& m, const Located& p, const std::byte* rows, const PartChecksums& sums,
                  const ReadOptions& options) {
   constexpr std::int64_t run_bytes = std::int64_t{1} << 20;
   const std::int64_t n = p.box.rows.size(), row_bytes = p.box.cols.size() * element_bytes(p.d->dtype);
@@ -243,17 +244,16 @@ struct Mapping {
   std::unique_ptr<JoinedRuns> joined;
 };
 
-// Finds each part in the file, under the reader's lock, and maps them: nothing when one cannot be
-// mapped (its tensor is then read into memory instead).
-std::optional<Mapping> locate_and_map(ReaderState& m, std::vector<Located>& located, std::int64_t es,
+// Finds each part in the file and maps them: nothing when one cannot be mapped (its tensor is then
+// read into memory instead).
+std::optional<Mapping> locate_and_map(const ReaderState& m, std::vector<Located>& located, std::int64_t es,
                                       const ReadOptions& options) {
-  const std::lock_guard lock(m.mutex);
   for (std::size_t i = 0; i < located.size(); ++i) {
     Located& p = located[i];
-    p.e = &m.entry(p.d->key);
     (void)m.info(p.d->key);
-    if (p.e->external) return std::nullopt;  // its bytes are in another file
-    const std::vector<RawRegion>& regions = m.regions_for(*p.e);
+    const ReaderState::Entry& e = m.entry(p.d->key);
+    if (e.external) return std::nullopt;  // its bytes are in another file
+    const std::vector<RawRegion>& regions = m.regions_for(e);
     // One contiguous region of the whole dataset (not chunked, not filtered, the library's byte
     // order: regions_for is empty otherwise), rows as wide as the dataset's.
     if (regions.size() != 1 || regions[0].box != whole_box(p.d->shape) || p.box.cols != regions[0].box.cols)
@@ -263,12 +263,11 @@ std::optional<Mapping> locate_and_map(ReaderState& m, std::vector<Located>& loca
     // Joined runs: each on a page of the file, all but the last whole pages.
     if (located.size() > 1 && (p.at % page_bytes() != 0 || (i + 1 < located.size() && p.bytes % page_bytes() != 0)))
       return std::nullopt;
-    if (options.verify && m.checksummed) p.slabs = &m.slabs_for(*p.e);
+    if (options.verify && m.checksummed) p.slabs = &m.slabs_for(e);
   }
   Mapping out;
   if (located.size() == 1) {
-    if (!m.mapping) m.mapping = std::make_shared<FileMapping>(m.file, m.file_size, m.path);
-    out.whole = m.mapping;
+    out.whole = m.mapping.get([&] { return std::make_shared<FileMapping>(m.file, m.file_size, m.path); });
     return out;
   }
   const std::uint64_t now = m.file.size();
@@ -285,7 +284,7 @@ std::optional<Mapping> locate_and_map(ReaderState& m, std::vector<Located>& loca
 
 std::optional<SharedBuffer> CheckpointReader::map(std::span<const MapPart> parts, DType dtype, Extents shape,
                                                   ReadOptions options) const {
-  ReaderState& m = *impl_;
+  const ReaderState& m = *impl_;
   if (options.method != IoMethod::raw || options.bypass_page_cache || parts.empty()) return std::nullopt;
   const std::int64_t es = element_bytes(dtype);
   std::vector<Located> located;
@@ -296,7 +295,7 @@ std::optional<SharedBuffer> CheckpointReader::map(std::span<const MapPart> parts
     const auto bytes = static_cast<std::size_t>(box_elements(part.box) * es);
     check_box(*part.dataset, part.box, dtype, bytes, m.path);
     if (part.box.empty()) return std::nullopt;
-    located.push_back({part.dataset, nullptr, part.box, 0, bytes, nullptr});
+    located.push_back({part.dataset, part.box, 0, bytes, nullptr});
     total += bytes;
   }
   require(total == static_cast<std::size_t>(shape.elements()) * dtype_size(dtype), Errc::invalid_argument,

@@ -2,7 +2,9 @@
 // are the library's doing, not a broken harness).
 #include <filesystem>
 #include <memory>
+#include <vector>
 import shardckpt;
+import shardckpt.guarded;
 using namespace shardckpt;
 
 void shared_ownership(const std::filesystem::path& p) {
@@ -73,4 +75,10 @@ void checkpoint_in_order(const std::filesystem::path& p) {
   CheckpointWriter w = CheckpointWriter::create(io::Destination::of(p), {}, {}, 0);
   PieceWriter pieces = w.pieces(IoMethod::raw, 0);
   std::move(w).written(pieces.finish()).seal().commit();
+}
+
+std::size_t guarded_under_its_handle(const Guarded<std::vector<int>>& g) {
+  const auto held = g.lock();  // the lock is held as long as `held`
+  std::vector<int>& v = *held;
+  return v.size();
 }

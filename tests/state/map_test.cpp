@@ -5,6 +5,8 @@
 #include <optional>
 #include <set>
 #include <sstream>
+#include <thread>
+#include <vector>
 
 #include "support.hpp"
 
@@ -286,4 +288,34 @@ TEST(MappedLoad, ALargeTensorIsCheckedOnThreadsAndTheFirstChangedRowIsNamed) {
   const Error both = refused(change(change(saved, 3900), 700));
   EXPECT_EQ(both.code(), Errc::corrupt) << both.what();
   EXPECT_TRUE(testing_support::contains(both.what(), "key big, rows [700, 701)")) << both.what();
+}
+
+// Threads that share one reader from its open on share what it looks up: one entry per dataset (the
+// same Dataset for each), one mapping of the file, one reader around the page cache, made once
+// whichever thread asks first; every thread's rows are right, mapped or read.
+TEST(MappedLoad, ThreadsOfOneReaderShareWhatItLooksUpOnce) {
+  ScratchDir dir;
+  save_tensors(dir / "a.h5", 0.75f);
+  const CheckpointReader reader(dir / "a.h5");
+  constexpr std::size_t threads = 8;
+  std::vector<const Dataset*> seen(threads);
+  std::vector<std::optional<LoadedState>> loaded(threads);
+  {
+    std::vector<std::jthread> workers;
+    for (std::size_t t = 0; t < threads; ++t)
+      workers.emplace_back([&, t] {
+        seen[t] = &reader.dataset("w");
+        const LoadOptions o = t % 2 == 0 ? LoadOptions{} : LoadOptions{.bypass_page_cache = true};
+        loaded[t].emplace(load(reader, request_of(static_cast<std::int64_t>(t) * 32, 32), o));
+      });
+  }
+  std::set<std::uintptr_t> bases;
+  for (std::size_t t = 0; t < threads; ++t) {
+    EXPECT_EQ(seen[t], seen[0]) << "thread " << t << " has a Dataset of its own";
+    const SharedBuffer& w = loaded[t]->tensor("w");
+    expect_rows(w.view(), static_cast<std::int64_t>(t) * 32, 0.75f);
+    EXPECT_EQ(mapped_from(w, dir / "a.h5"), t % 2 == 0) << "thread " << t;
+    if (t % 2 == 0) bases.insert(mapping_base(w.view().data(), dir / "a.h5"));
+  }
+  EXPECT_EQ(bases.size(), 1u) << "one reader mapped the file " << bases.size() << " times";
 }
