@@ -45,8 +45,8 @@ struct SaveOptions {
   std::function<void(SavePhase)> on_phase = {};
   // Told, on the rank that wrote them, how many more bytes were written; must not throw.
   BytesDone progress = {};
-  // Pinned buffers through which shards in device memory are written (required for them; a Saver
-  // brings its own).
+  // Pinned buffers through which shards in device memory are written; none: the library's pool for
+  // their device (device_staging). A Saver brings its own.
   std::shared_ptr<StagingPool> staging = nullptr;
 };
 
@@ -88,11 +88,6 @@ Values load_into(const CheckpointReader& reader, StateDict& state, ProcessGroup&
                  Replicas replicas = {});
 LoadedState load(const CheckpointReader& reader, const StateDict& request, ProcessGroup& group,
                  LoadOptions options = {}, Replicas replicas = {});
-
-// Ranks that are threads of one process call HDF5 concurrently, which needs an HDF5 built thread-safe
-// (Debian's is: one global lock). Throws Errc::invalid_argument for a group of several thread ranks
-// when `thread_safe` is false; every collective save and load checks it first.
-void require_thread_safe_hdf5(const ProcessGroup& group, bool thread_safe = hdf5_thread_safe());
 
 // A save in the background (Saver::save_async), with two points in its life: staged (every byte this
 // rank saves has left its shards, so the caller may change them) and done (committed on every rank,

@@ -8,6 +8,7 @@
 module;
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string_view>
 #include <vector>
@@ -132,5 +133,23 @@ class StagingPool {
   std::vector<SharedBuffer> memory_;   // the allocations the buffers lie in
   std::vector<MutTensorView> buffers_;
 };
+
+// The engine and pools the library uses for a device's memory when its caller gives none (a save or
+// load of device shards without SaveOptions::staging or LoadOptions::staging, Python's tensors on a
+// GPU). One engine per device for the process, made on first use by the device maker: CudaEngine,
+// registered by shardckpt.cuda where the library is built with CUDA; none otherwise (Errc::device).
+using DeviceEngineMaker = std::function<std::shared_ptr<CopyEngine>(int device)>;
+// Puts `maker` in place of the device maker (an engine for other hardware, an emulated device for
+// tests), forgets the engines and pools made by the one before, and returns that one. Engines and
+// pools already handed out stay alive with their holders.
+DeviceEngineMaker set_device_engine_maker(DeviceEngineMaker maker);
+// The process's engine for `space` (device memory): made by the device maker the first time.
+// Throws Errc::invalid_argument for host memory, Errc::device when no maker is registered or it
+// cannot make one (no such device).
+std::shared_ptr<CopyEngine> device_engine(MemorySpace space);
+// A pool of pinned buffers (the default two of 64 MiB) of `space`'s engine that no one else is using:
+// a pool handed out before and since let go is handed out again, else a new one is made. A load
+// or a save holds it for as long as it runs, so ranks that run at once never share buffers.
+std::shared_ptr<StagingPool> device_staging(MemorySpace space);
 
 }  // namespace shardckpt

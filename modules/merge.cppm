@@ -70,7 +70,8 @@ struct LoadOptions {
   std::string expect_id = {};
   // Told, on the rank that reads them, how many more bytes were read (progress reports).
   BytesDone progress = {};
-  // Pinned buffers through which destinations in device memory are filled (required for them).
+  // Pinned buffers through which destinations in device memory are filled; none: the library's pool
+  // for their device (device_staging: CUDA devices where the library is built with CUDA).
   std::shared_ptr<StagingPool> staging = nullptr;
   // Read tensor data around the page cache (O_DIRECT, where the file system allows it): the file's
   // pages do not crowd the page cache, and on disks where scattered reads through the page cache are

@@ -84,12 +84,35 @@ inline constexpr std::string_view optimizer_state_prefix = "optimizer.state.";
 // optimizer.state.<name>.<parameter key>, in `dtype`, without data.
 ShardedParam optimizer_state(const ShardedParam& param, std::string_view name, DType dtype);
 
+// A parameter that passed the checks of StateDict::add (its geometry, coordinates, replicas and
+// flat range): made only by check_param, read-only but for its shard. For who needs what the checks
+// make sure of before adding it (a C caller's raw buffer is typed by the padded shard's shape).
+class CheckedParam {
+ public:
+  const ShardedParam& param() const noexcept [[clang::lifetimebound]] { return param_; }
+  // The shard, given once the shape it must have is known.
+  CheckedParam&& with_shard(TensorRef shard) && [[clang::lifetimebound]] {
+    param_.shard = std::move(shard);
+    return std::move(*this);
+  }
+
+ private:
+  friend CheckedParam check_param(ShardedParam param);
+  friend class StateDict;
+  explicit CheckedParam(ShardedParam param) : param_(std::move(param)) {}
+  ShardedParam param_;
+};
+// Throws Errc::layout or invalid_argument, naming the parameter and its coordinates, for what
+// StateDict::add refuses.
+CheckedParam check_param(ShardedParam param);
+
 class StateDict {
  public:
   // Each key may appear once across all kinds, except that several ShardedTensor entries may name
   // parts of one tensor (same global shape and dtype); throws Errc::invalid_argument otherwise.
   void add(ShardedTensor tensor);
-  void add(ShardedParam param);
+  void add(ShardedParam param);  // add(check_param(param))
+  void add(CheckedParam param);   // checked already: only its key is
   void add_common(std::string key, CommonValue value);
   // Never saved; a load hands it back as it was given in the request.
   void add_local(std::string key, CommonValue value);

@@ -13,8 +13,10 @@ module;
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <map>
 #include <thread>
 #include <utility>
+#include <vector>
 module shardckpt.engine;
 
 namespace shardckpt {
@@ -295,6 +297,64 @@ MutTensorView StagingPool::rows_of(int i, TensorView like, std::int64_t rows) {
           " rows do not fit staging buffer ", i);
   return MutTensorView::unchecked(buffers_[static_cast<std::size_t>(i)].data(), like.dtype(),
                                like.shape().with_rows(rows), MemorySpace::pinned());
+}
+
+namespace {
+
+// What the library made for devices: the maker, and per device its engine and the pools handed out.
+struct DeviceEngines {
+  std::mutex mutex;
+  DeviceEngineMaker maker;
+  std::map<int, std::shared_ptr<CopyEngine>> engines;
+  std::map<int, std::vector<std::shared_ptr<StagingPool>>> pools;
+};
+
+DeviceEngines& device_engines() {
+  static DeviceEngines* const registry = new DeviceEngines;  // never destroyed: engines may outlive main's statics
+  return *registry;
+}
+
+std::shared_ptr<CopyEngine> engine_locked(DeviceEngines& d, MemorySpace space) {
+  require(space.kind == MemoryKind::device, Errc::invalid_argument, "no device engine for ",
+          memory_space_text(space), " memory");
+  std::shared_ptr<CopyEngine>& engine = d.engines[space.device];
+  if (!engine) {
+    require(static_cast<bool>(d.maker), Errc::device, memory_space_text(space),
+            " memory: this shardckpt has no engine for devices (built without CUDA): give the save or load a "
+            "StagingPool of a CopyEngine of yours");
+    engine = d.maker(space.device);
+    require(engine != nullptr && engine->device() == space, Errc::device, "the device maker made no engine for ",
+            memory_space_text(space));
+  }
+  return engine;
+}
+
+}  // namespace
+
+DeviceEngineMaker set_device_engine_maker(DeviceEngineMaker maker) {
+  DeviceEngines& d = device_engines();
+  const std::lock_guard lock(d.mutex);
+  d.engines.clear();
+  d.pools.clear();
+  return std::exchange(d.maker, std::move(maker));
+}
+
+std::shared_ptr<CopyEngine> device_engine(MemorySpace space) {
+  DeviceEngines& d = device_engines();
+  const std::lock_guard lock(d.mutex);
+  return engine_locked(d, space);
+}
+
+std::shared_ptr<StagingPool> device_staging(MemorySpace space) {
+  DeviceEngines& d = device_engines();
+  const std::lock_guard lock(d.mutex);
+  std::shared_ptr<CopyEngine> engine = engine_locked(d, space);
+  std::vector<std::shared_ptr<StagingPool>>& pools = d.pools[space.device];
+  // Copies of a handed-out pool are made only here, under the lock: one held by the registry alone is free.
+  for (const std::shared_ptr<StagingPool>& pool : pools)
+    if (pool.use_count() == 1) return pool;
+  pools.push_back(std::make_shared<StagingPool>(std::move(engine)));
+  return pools.back();
 }
 
 }  // namespace shardckpt

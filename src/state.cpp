@@ -95,7 +95,7 @@ void StateDict::add(ShardedTensor tensor) {
   tensors_.push_back(std::move(tensor));
 }
 
-void StateDict::add(ShardedParam param) {
+CheckedParam check_param(ShardedParam param) {
   validate(param.spec);
   (void)plan_rank(param.spec, param.gtp, param.align, param.coord);  // rejects bad coordinates and geometry now
   require(param.replicas >= 1 && param.replica_id >= 0 && param.replica_id < param.replicas, Errc::invalid_argument,
@@ -105,8 +105,14 @@ void StateDict::add(ShardedParam param) {
                 param.flat->end <= param.padded_shape().elements(),
             Errc::invalid_argument, param.describe(), ": flat range [", param.flat->begin, ", ", param.flat->end,
             ") is outside its shard of ", param.padded_shape().elements(), " elements");
-  claim_key(param.spec.key);
-  params_.push_back(std::move(param));
+  return CheckedParam(std::move(param));
+}
+
+void StateDict::add(ShardedParam param) { add(check_param(std::move(param))); }
+
+void StateDict::add(CheckedParam param) {
+  claim_key(param.param_.spec.key);
+  params_.push_back(std::move(param.param_));
 }
 
 void StateDict::add_common(std::string key, CommonValue value) {

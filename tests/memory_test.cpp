@@ -61,6 +61,18 @@ std::int64_t resident_bytes() {
 // find and zero pages (the first async save of a Saver would, otherwise). Checked where mlock cannot
 // lock it (mlock would fault the pages in itself): in a child that may lock nothing (as root, after
 // giving up root, which ignores the limit).
+// The device maker for one test: put in place when made, the one before put back when it ends.
+class DeviceMakerForTest {
+ public:
+  explicit DeviceMakerForTest(DeviceEngineMaker maker) : before_(set_device_engine_maker(std::move(maker))) {}
+  DeviceMakerForTest(const DeviceMakerForTest&) = delete;
+  DeviceMakerForTest& operator=(const DeviceMakerForTest&) = delete;
+  ~DeviceMakerForTest() { (void)set_device_engine_maker(std::move(before_)); }
+
+ private:
+  DeviceEngineMaker before_;
+};
+
 TEST(LockedMemory, EveryPageIsBackedWhenItIsAllocatedEvenWhereItCannotBeLocked) {
   constexpr std::int64_t bytes = 64 << 20;
   const pid_t child = ::fork();
@@ -197,6 +209,7 @@ TEST(DeviceSave, DeviceShardsWithoutAnEngineFailEveryRankAndWriteNothing) {
   const demo::Layout l{1, 2, 0, 1};
   std::vector<std::optional<Errc>> codes(2);
   const auto device = std::make_shared<EmulatedDevice>();
+  const DeviceMakerForTest none(nullptr);  // a library without CUDA
   try {
     run_ranks(2, [&](ProcessGroup& g) {
       // Rank 1's shards live on the device, and its save has no engine to move them.
@@ -207,12 +220,12 @@ TEST(DeviceSave, DeviceShardsWithoutAnEngineFailEveryRankAndWriteNothing) {
         save(m.state, dir / "a.h5", g);
       } catch (const Error& e) {
         codes[static_cast<std::size_t>(g.rank())] = e.code();
-        EXPECT_NE(std::string(e.what()).find("needs a Saver with a CopyEngine"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("give the save or load a StagingPool"), std::string::npos) << e.what();
       }
     });
   } catch (const Error&) {
   }
-  for (const auto& code : codes) EXPECT_EQ(code, Errc::invalid_argument);
+  for (const auto& code : codes) EXPECT_EQ(code, Errc::device);
   EXPECT_FALSE(std::filesystem::exists(dir / "a.h5"));
   EXPECT_TRUE(testing_support::temporary_files(std::filesystem::path(dir / "a.h5").parent_path()).empty());
 }
@@ -287,16 +300,72 @@ TEST(LoadInPlace, ReturnsOnceEveryDeviceWriteHasLanded) {
   }
 }
 
-TEST(LoadInPlace, DeviceDestinationsWithoutAPoolAreRefused) {
+// Shards on a device saved and loaded with no pool given: the library takes its engine for the
+// device (device_engine, made by the device maker once) and a pool of it, and reuses the pool once a
+// save or load has let it go; ranks that hold one at once get their own.
+TEST(DeviceDefaults, SavesAndLoadsThroughTheLibrarysEngineForTheDevice) {
+  ScratchDir dir;
+  const auto c = tiny_model();
+  const auto device = std::make_shared<EmulatedDevice>(3, EmulatedDevice::Progress::when_waited);
+  int made = 0;
+  const DeviceMakerForTest maker([&](int id) -> std::shared_ptr<CopyEngine> {
+    ++made;
+    return id == 3 ? device : nullptr;
+  });
+  const demo::Layout saved{2, 1, 0, 1}, loaded{1, 3, 16, 1};
+  std::vector<demo::RankModel> models;
+  for (int r = 0; r < saved.ranks(); ++r) models.push_back(demo::build_rank(c, saved, r, {}, {MemoryKind::device, device}));
+  const std::uint64_t pinned_before = device->stats().pinned_allocations;
+  const std::uint64_t to_host_before = device->stats().copies_to_host;
+  run_ranks(saved.ranks(), [&](ProcessGroup& g) {
+    g.barrier();  // both ranks hold a pool at once
+    save(models[static_cast<std::size_t>(g.rank())].state, dir / "a.h5", g);
+  });
+  EXPECT_EQ(made, 1);
+  EXPECT_GT(device->stats().copies_to_host, to_host_before);
+  const std::uint64_t pinned = device->stats().pinned_allocations;
+  EXPECT_GE(pinned - pinned_before, 2u) << "a pool of two buffers";
+  EXPECT_LE(pinned - pinned_before, 4u) << "at most a pool per rank";
+  const int last = loaded.ranks() - 1;  // holds pad rows
+  for (int round = 0; round < 2; ++round) {
+    StateDict model = demo::with_destinations(demo::request(c, loaded, last), {MemoryKind::device, device});
+    const Values values = load_into(dir / "a.h5", model);
+    EXPECT_EQ(device->stats().unfinished, 0u);
+    const demo::Verification v = demo::verify(c, {}, last, model, values, device.get());
+    EXPECT_EQ(v.mismatches, 0) << v.first_mismatch;
+    EXPECT_GT(v.pad_rows, 0);
+  }
+  EXPECT_EQ(device->stats().pinned_allocations, pinned) << "a pool let go is handed out again";
+  EXPECT_EQ(made, 1);
+  // held at once: two pools; let go: the same one again
+  std::shared_ptr<StagingPool> a = device_staging(MemorySpace::on_device(3));
+  const std::shared_ptr<StagingPool> b = device_staging(MemorySpace::on_device(3));
+  EXPECT_NE(a.get(), b.get());
+  EXPECT_EQ(&a->engine(), device.get());
+  const StagingPool* const first = a.get();
+  a.reset();
+  EXPECT_EQ(device_staging(MemorySpace::on_device(3)).get(), first);
+  // a device the maker cannot make, and host memory, are refused
+  EXPECT_EQ(error_of([] { (void)device_engine(MemorySpace::on_device(5)); }).code(), Errc::device);
+  EXPECT_EQ(error_of([] { (void)device_engine(MemorySpace::host()); }).code(), Errc::invalid_argument);
+}
+
+// With no device maker (a library built without CUDA), device memory with no pool is refused before
+// anything is written, naming what to give.
+TEST(DeviceDefaults, WithoutAMakerDeviceMemoryNeedsAPool) {
   ScratchDir dir;
   const auto c = tiny_model();
   demo::RankModel m = demo::build_rank(c, {1, 1, 0, 1}, 0);
   save(m.state, dir / "a.h5");
+  const DeviceMakerForTest none(nullptr);
   const auto device = std::make_shared<EmulatedDevice>();
   StateDict model = demo::with_destinations(demo::request(c, {1, 1, 0, 1}, 0), {MemoryKind::device, device});
   const Error e = error_of([&] { (void)load_into(dir / "a.h5", model); });
-  EXPECT_EQ(e.code(), Errc::invalid_argument);
-  EXPECT_NE(std::string(e.what()).find("needs LoadOptions::staging"), std::string::npos) << e.what();
+  EXPECT_EQ(e.code(), Errc::device);
+  EXPECT_NE(std::string(e.what()).find("give the save or load a StagingPool"), std::string::npos) << e.what();
+  demo::RankModel on_device = demo::build_rank(c, {1, 1, 0, 1}, 0, {}, {MemoryKind::device, device});
+  EXPECT_EQ(error_of([&] { save(on_device.state, dir / "b.h5"); }).code(), Errc::device);
+  EXPECT_FALSE(std::filesystem::exists(dir / "b.h5"));
 }
 
 TEST(LoadInPlace, AReadOnlyBorrowCannotBeLoadedInto) {

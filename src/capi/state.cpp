@@ -45,7 +45,7 @@ TpAxis tp_axis_of(int axis) {
   throw Error(Errc::invalid_argument, cat("tp_axis ", axis, " is not a shardckpt_tp_axis"));
 }
 
-// The parameter a C description names, without its shard.
+// The parameter a C description names, without its shard, unchecked (check_param checks it, once).
 ShardedParam param_of(const shardckpt_param& c) {
   require(c.key != nullptr, Errc::invalid_argument, "a parameter's key is NULL");
   require(c.sections != nullptr || c.section_count == 0, Errc::invalid_argument, "parameter ", c.key,
@@ -65,8 +65,6 @@ ShardedParam param_of(const shardckpt_param& c) {
   p.spec.trailing.assign(c.trailing, c.trailing + c.trailing_count);
   for (const shardckpt_divisor& d : std::span(c.divisors, c.divisor_count))
     p.spec.divisors.push_back({.name = d.name ? d.name : "", .count = d.count});
-  validate(p.spec);
-  (void)plan_rank(p.spec, p.gtp, p.align, p.coord);  // rejects bad coordinates and geometry with their numbers
   return p;
 }
 
@@ -127,7 +125,8 @@ extern "C" {
 int shardckpt_shard_rows(const shardckpt_param* param, int64_t* padded_rows, int64_t* real_rows) {
   if (param == nullptr) return null_argument("shardckpt_shard_rows", "param");
   return guarded([&] {
-    const shardckpt::ShardedParam p = param_of(*param);
+    const shardckpt::CheckedParam checked = shardckpt::check_param(param_of(*param));
+    const shardckpt::ShardedParam& p = checked.param();
     const shardckpt::RankPlan plan = shardckpt::plan_rank(p.spec, p.gtp, p.align, p.coord);
     if (padded_rows) *padded_rows = plan.geometry.shard_rows();
     if (real_rows) *real_rows = plan.real_rows;
@@ -146,9 +145,10 @@ int shardckpt_state_add_param(shardckpt_state* state, const shardckpt_param* par
   if (state == nullptr) return null_argument("shardckpt_state_add_param", "state");
   if (param == nullptr) return null_argument("shardckpt_state_add_param", "param");
   return guarded([&] {
-    shardckpt::ShardedParam p = param_of(*param);
-    p.shard = shard_of(p, param->shard, param->shard_bytes);
-    state->dict.add(std::move(p));
+    // checked once, before its buffer is typed by the padded shard's shape
+    shardckpt::CheckedParam checked = shardckpt::check_param(param_of(*param));
+    shardckpt::TensorRef shard = shard_of(checked.param(), param->shard, param->shard_bytes);
+    state->dict.add(std::move(checked).with_shard(std::move(shard)));
   });
 }
 

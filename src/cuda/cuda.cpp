@@ -5,6 +5,7 @@ module;
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <utility>
@@ -190,5 +191,15 @@ std::size_t CudaEngine::free_device_memory() const {
   check(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
   return free;
 }
+
+namespace {
+
+// CUDA devices are the library's devices: device_engine and device_staging make CudaEngines.
+[[maybe_unused]] const bool cuda_is_the_device_maker = [] {
+  (void)set_device_engine_maker([](int device) { return std::make_shared<CudaEngine>(device); });
+  return true;
+}();
+
+}  // namespace
 
 }  // namespace shardckpt

@@ -159,12 +159,6 @@ void check_destinations(StateDict& state, ProcessGroup& group, const fs::path& p
 
 }  // namespace
 
-void require_thread_safe_hdf5(const ProcessGroup& group, bool thread_safe) {
-  require(thread_safe || !group.threads_of_one_process() || group.size() == 1, Errc::invalid_argument,
-          "ranks that are threads of one process call HDF5 at the same time, and this HDF5 is not built "
-          "thread-safe (H5is_library_threadsafe): run one process per rank (MPI), or link a thread-safe HDF5");
-}
-
 Values load_into(const CheckpointReader& reader, StateDict& state, LoadOptions options) {
   return load_with(reader, state, options, CheckpointKind::global);
 }
@@ -187,7 +181,7 @@ LoadedState load(const fs::path& path, const StateDict& request, LoadOptions opt
 
 Values load_into(const CheckpointReader& reader, StateDict& state, ProcessGroup& group, LoadOptions options,
                  Replicas replicas) {
-  require_thread_safe_hdf5(group);
+  require_thread_safe_hdf5(group.threads_of_one_process() && group.size() > 1);
   agree(group, cat("loading ", reader.path().string()), [&] { agree_on_checkpoint(reader, group); });
   check_destinations(state, group, reader.path());
   if (group.rank() == 0) notice_unchecked(reader, options);

@@ -300,7 +300,7 @@ void write_pieces(ProcessGroup& group, const SavePlan& plan, const Created& crea
 // that its errors are the save's collective errors); `staged` is told as rows leave the plan's memory.
 void save_with(const std::function<SavePlan()>& make_plan, const fs::path& path, ProcessGroup& group,
                const SaveOptions& options, const RowsStaged& staged) {
-  require_thread_safe_hdf5(group);
+  require_thread_safe_hdf5(group.threads_of_one_process() && group.size() > 1);
   const ForbidMaterialization no_copies;
   const int me = group.rank();
   const auto phase = [&](SavePhase p) {

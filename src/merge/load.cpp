@@ -79,8 +79,7 @@ class Source {
       reader_.read(*d, from, dst, read_);
       return;
     }
-    require(arena_.has_value(), Errc::invalid_argument, who, ": loading into ", memory_space_text(dst.space()),
-            " memory needs LoadOptions::staging (a pool of pinned buffers of its CopyEngine)");
+    arena_for(dst.space());
     for (std::int64_t r0 = 0; r0 < dst.rows();) {
       const MutTensorView staged = arena_->take(dst, dst.rows() - r0, [](int) {});
       const std::int64_t n = staged.rows();
@@ -96,8 +95,7 @@ class Source {
       std::memset(dst.data(), 0, dst.bytes());
       return;
     }
-    require(arena_.has_value(), Errc::invalid_argument, "zeroing ", memory_space_text(dst.space()),
-            " memory needs LoadOptions::staging");
+    arena_for(dst.space());
     arena_->engine().zero(dst);
   }
 
@@ -111,6 +109,12 @@ class Source {
   bool local() const noexcept { return local_; }
 
  private:
+  // The pool device bytes go through: the caller's (LoadOptions::staging), or the library's for the
+  // device (device_staging), taken at the first device destination and held to the end of the load.
+  void arena_for(MemorySpace space) {
+    if (!arena_) arena_.emplace(device_staging(space));
+  }
+
   // Where a local piece goes: its key and its box of the global dataset, compared as values.
   using Place = std::tuple<std::string_view, std::int64_t, std::int64_t, std::int64_t, std::int64_t>;
   static Place place(std::string_view key, const Box& b) {
@@ -254,6 +258,12 @@ std::vector<LoadTarget> load_targets(StateDict& state) {
     add(state.mut_shard(i), p.dtype, p.shard_shape(), p.spec.key, p.describe());
   }
   return out;
+}
+
+void require_thread_safe_hdf5(bool thread_ranks, bool thread_safe) {
+  require(thread_safe || !thread_ranks, Errc::invalid_argument,
+          "ranks that are threads of one process call HDF5 at the same time, and this HDF5 is not built "
+          "thread-safe (H5is_library_threadsafe): run one process per rank (MPI), or link a thread-safe HDF5");
 }
 
 void require_disjoint(std::vector<LoadTarget> targets, std::string_view who) {

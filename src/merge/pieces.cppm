@@ -130,6 +130,7 @@ class Arena {
 
   CopyEngine& engine() const { return pool_->engine(); }
   int current() const noexcept { return current_; }
+  int buffers() const noexcept { return pool_->buffers(); }
 
   // Room for up to `rows` rows shaped like `like`: as many as fit in the current buffer, or, when not
   // one more fits, in the next one.

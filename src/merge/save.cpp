@@ -81,7 +81,7 @@ void write_items(const SavePlan& plan, std::span<const Dataset> datasets, PieceW
     std::int64_t first_row;
   };
   std::optional<Arena> arena;
-  std::vector<std::vector<Staged>> pending(staging ? static_cast<std::size_t>(staging->buffers()) : 0);
+  std::vector<std::vector<Staged>> pending;
   const auto write_buffer = [&](int b) {
     for (const Staged& s : pending[static_cast<std::size_t>(b)]) {
       if (staged) staged(s.item, s.first_row, s.rows);
@@ -100,9 +100,10 @@ void write_items(const SavePlan& plan, std::span<const Dataset> datasets, PieceW
       if (staged) staged(n, 0, i.data);
       continue;
     }
-    require(staging != nullptr, Errc::invalid_argument, "key ", i.key, ": saving ", memory_space_text(i.data.space()),
-            " memory needs a Saver with a CopyEngine (its pool of pinned buffers)");
-    if (!arena) arena.emplace(staging);
+    if (!arena) {  // the caller's pool, or the library's for the device (device_staging)
+      arena.emplace(staging ? staging : device_staging(i.data.space()));
+      pending.resize(static_cast<std::size_t>(arena->buffers()));
+    }
     for (std::int64_t r0 = 0; r0 < i.data.rows();) {
       const MutTensorView rows = arena->take(i.data, i.data.rows() - r0, write_buffer);
       arena->engine().copy_to_host(i.data.slice_rows(r0, r0 + rows.rows()), rows);

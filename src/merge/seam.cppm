@@ -65,6 +65,11 @@ struct ReplicaRows {
 };
 std::vector<ReplicaRows> replica_rows(StateDict& state);
 
+// Several ranks that are threads of one process (`thread_ranks`) call HDF5 at once, which needs an
+// HDF5 built thread-safe (Debian's is: one global lock): Errc::invalid_argument when `thread_safe` is
+// false. Every collective save and load checks it first.
+void require_thread_safe_hdf5(bool thread_ranks, bool thread_safe = hdf5_thread_safe());
+
 // The memory a load writes of one entry of a state dict: where it is and whose it is.
 struct LoadTarget {
   std::string key;

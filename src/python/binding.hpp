@@ -66,10 +66,6 @@ py::object tensor_object(SharedBuffer buffer, bool scalar = false);
 // supports_background). Its calls take the GIL; errors raised in Python become Errc::collective.
 std::unique_ptr<ProcessGroup> group_of(py::handle group);
 
-// The CUDA staging pool of `space`'s device, made on first use (Errc::device without CUDA), or null
-// for host memory.
-std::shared_ptr<StagingPool> staging_for(MemorySpace space);
-
 // A state dict and the Python objects its entries' memory came from (None for an entry without
 // memory), in the order of state.params() and state.tensors(): each keeps its object alive while
 // the state dict lives, and each save and load takes the memory again from it (resolve).

@@ -7,9 +7,7 @@
 
 #include <cstdint>
 #include <filesystem>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
@@ -17,51 +15,14 @@
 #include <vector>
 
 import shardckpt;
-#if SHARDCKPT_HAVE_CUDA
-import shardckpt.cuda;
-#endif
 
 #include "binding.hpp"
 
 namespace shardckpt::python {
 
-// The CUDA engine of a device, one per device for the process, made on first use.
-std::shared_ptr<CopyEngine> cuda_engine(int device) {
-#if SHARDCKPT_HAVE_CUDA
-  static std::mutex mutex;
-  static std::map<int, std::shared_ptr<CopyEngine>> engines;
-  const std::lock_guard lock(mutex);
-  std::shared_ptr<CopyEngine>& engine = engines[device];
-  if (!engine) engine = std::make_shared<CudaEngine>(device);
-  return engine;
-#else
-  throw Error(Errc::device, cat("CUDA device ", device, ": this shardckpt was built without CUDA"));
-#endif
-}
-
-std::shared_ptr<StagingPool> staging_for(MemorySpace space) {
-  if (space.kind != MemoryKind::device) return nullptr;
-  static std::mutex mutex;
-  static std::map<int, std::shared_ptr<StagingPool>> pools;
-  std::shared_ptr<CopyEngine> engine = cuda_engine(space.device);
-  const std::lock_guard lock(mutex);
-  std::shared_ptr<StagingPool>& pool = pools[space.device];
-  if (!pool) pool = std::make_shared<StagingPool>(std::move(engine));
-  return pool;
-}
-
 namespace {
 
 using Path = std::filesystem::path;
-
-// The device memory space of a state dict's entries, if any (one device per rank).
-std::optional<MemorySpace> device_space(const StateDict& state) {
-  for (const ShardedParam& p : state.params())
-    if (p.shard && p.shard.space().kind == MemoryKind::device) return p.shard.space();
-  for (const ShardedTensor& t : state.tensors())
-    if (t.data && t.data.space().kind == MemoryKind::device) return t.data.space();
-  return std::nullopt;
-}
 
 IoMethod method_arg(const std::string& name) {
   if (name == "raw") return IoMethod::raw;
@@ -69,21 +30,20 @@ IoMethod method_arg(const std::string& name) {
   throw py::value_error(cat("method ", name, ": raw or hyperslab"));
 }
 
-SaveOptions save_options(const StateDict& state, const std::string& method, bool checksums) {
+// Device tensors go through the library's engine and pool for their device (device_staging).
+SaveOptions save_options(const std::string& method, bool checksums) {
   SaveOptions o;
   o.method = method_arg(method);
   o.checksums = checksums;
-  if (auto space = device_space(state)) o.staging = staging_for(*space);
   return o;
 }
 
-LoadOptions load_options(const StateDict& state, const std::string& method, bool verify_checksums,
+LoadOptions load_options(const std::string& method, bool verify_checksums,
                          bool bypass_page_cache) {
   LoadOptions o;
   o.method = method_arg(method);
   o.verify_checksums = verify_checksums;
   o.bypass_page_cache = bypass_page_cache;
-  if (auto space = device_space(state)) o.staging = staging_for(*space);
   return o;
 }
 
@@ -291,7 +251,7 @@ void bind_saver(py::module_& m) {
              o.check_unchanged = check_unchanged;
              o.reserve = reserve;
              o.staging_buffer_bytes = byte_count(staging_buffer_bytes, "staging_buffer_bytes");
-             if (cuda_device) o.engine = cuda_engine(*cuda_device);
+             if (cuda_device) o.engine = device_engine(MemorySpace::on_device(*cuda_device));
              GroupArg g(group);
              PySaver s;
              {
@@ -360,7 +320,7 @@ void bind_saver(py::module_& m) {
 void bind_io(py::module_& m) {
   m.def("save",
         [](const PyStateDict& state, const Path& path, py::object group, const std::string& method, bool checksums) {
-          SaveOptions o = save_options(state.state, method, checksums);
+          SaveOptions o = save_options(method, checksums);
           GroupArg g(group);
           resolve(state).run([&](StateDict& st) {
             py::gil_scoped_release nogil;
@@ -372,7 +332,7 @@ void bind_io(py::module_& m) {
   m.def("load_into",
         [](const Path& path, PyStateDict& state, py::object group, const std::string& method, bool verify_checksums,
            bool bypass_page_cache) {
-          LoadOptions o = load_options(state.state, method, verify_checksums, bypass_page_cache);
+          LoadOptions o = load_options(method, verify_checksums, bypass_page_cache);
           GroupArg g(group);
           const Values values = resolve(state).run([&](StateDict& st) {
             py::gil_scoped_release nogil;
@@ -385,7 +345,7 @@ void bind_io(py::module_& m) {
   m.def("load",
         [](const Path& path, const PyStateDict& request, py::object group, const std::string& method,
            bool verify_checksums, bool map) {
-          LoadOptions o = load_options(request.state, method, verify_checksums, false);
+          LoadOptions o = load_options(method, verify_checksums, false);
           o.map = map;
           GroupArg g(group);
           std::optional<LoadedState> loaded;

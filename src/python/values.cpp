@@ -33,7 +33,7 @@ std::string python_wording(std::string text) {
   // the Python API for it.
   static constexpr std::pair<std::string_view, std::string_view> python_words[] = {
       {"a Saver with that device's CopyEngine", "a Saver made for that device (Saver(cuda_device=N))"},
-      {"a Saver with a CopyEngine (its pool of pinned buffers)", "a Saver made for that device (Saver(cuda_device=N))"},
+      {"give the save or load a StagingPool of a CopyEngine of yours", "install a shardckpt built with CUDA"},
       {"give the Saver an MPI or thread group", "call Saver.save(), or give the Saver a TorchGroup over gloo"},
       {"AsyncSave::wait_staged()", "AsyncSave.wait_staged()"},
       {"SaverOptions::check_unchanged", "Saver(check_unchanged=True)"},

@@ -82,3 +82,8 @@ std::size_t guarded_under_its_handle(const Guarded<std::vector<int>>& g) {
   std::vector<int>& v = *held;
   return v.size();
 }
+
+void checked_once(StateDict& state, ShardedParam p, TensorRef shard) {
+  CheckedParam checked = check_param(std::move(p));  // what add() checks, checked here once
+  state.add(std::move(checked).with_shard(std::move(shard)));
+}

@@ -52,8 +52,8 @@ class Messages(unittest.TestCase):
         for cpp, python in [
                 ("key w: an async save of cuda:0 memory needs a Saver with that device's CopyEngine",
                  "Saver(cuda_device=N)"),
-                ("key w: saving cuda:0 memory needs a Saver with a CopyEngine (its pool of pinned buffers)",
-                 "Saver(cuda_device=N)"),
+                ("device 0 memory: this shardckpt has no engine for devices (built without CUDA): give the save or "
+                 "load a StagingPool of a CopyEngine of yours", "install a shardckpt built with CUDA"),
                 ("until AsyncSave::wait_staged() returns (SaverOptions::check_unchanged)", "AsyncSave.wait_staged()")]:
             said = sc._core._python_wording(cpp)
             self.assertIn(python, said)
