@@ -129,8 +129,8 @@ Bytes planning_payload(const SavePlan& plan, const fs::path& path, int me) {
   Writer w;
   w.str(path.lexically_normal().string());
   w.i64(checksum_rows);
-  w.i64(static_cast<std::int64_t>(plan.items.size()));
-  for (const SaveItem& i : plan.items) put_claim(w, i);
+  w.i64(static_cast<std::int64_t>(claims.size()));
+  for (const Claim& c : claims) put_claim(w, c);
   const std::set<std::string_view> firsts = first_elements(plan);
   std::vector<const ParamRecord*> owned;
   for (const ParamRecord& r : plan.params)

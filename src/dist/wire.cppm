@@ -120,12 +120,14 @@ inline Box get_box(Reader& r) {
   return b;
 }
 
-inline void put_claim(Writer& w, const SaveItem& i) {
-  w.str(i.key);
-  w.u8(static_cast<std::uint8_t>(i.dtype));
-  w.dims(i.global_shape);
-  put_box(w, i.box);
-  w.u8(i.writes);
+// A claim as its rank sends it (claims_of: the plan's items stamped with the rank) and as rank 0
+// reads it back; the rank is who sent it, not a field on the wire.
+inline void put_claim(Writer& w, const Claim& c) {
+  w.str(c.key);
+  w.u8(static_cast<std::uint8_t>(c.dtype));
+  w.dims(c.global_shape);
+  put_box(w, c.box);
+  w.u8(c.writes);
 }
 
 inline Claim get_claim(Reader& r, int rank) {

@@ -67,10 +67,33 @@ SavePlan plan_save(const StateDict& state, bool share_replicas) {
   return out;
 }
 
+namespace {
+
+// The dataset each writing item fills (null for an item that writes nothing), found once, before a
+// byte is written: `datasets` in key order, as a skeleton lists them. Errc::missing_key names the
+// first item without one.
+std::vector<const Dataset*> datasets_of_items(const SavePlan& plan, std::span<const Dataset> datasets) {
+  const auto by_key = [](const Dataset& a, const Dataset& b) { return a.key < b.key; };
+  require(std::is_sorted(datasets.begin(), datasets.end(), by_key), Errc::internal,
+          "the datasets of the checkpoint being written are not in key order");
+  std::vector<const Dataset*> out(plan.items.size(), nullptr);
+  for (std::size_t n = 0; n < plan.items.size(); ++n) {
+    const SaveItem& i = plan.items[n];
+    if (!i.writes) continue;
+    const auto it = std::lower_bound(datasets.begin(), datasets.end(), i.key,
+                                     [](const Dataset& d, const std::string& key) { return d.key < key; });
+    require(it != datasets.end() && it->key == i.key, Errc::missing_key, "key ", i.key,
+            " has no dataset in the checkpoint being written");
+    out[n] = &*it;
+  }
+  return out;
+}
+
+}  // namespace
+
 void write_items(const SavePlan& plan, std::span<const Dataset> datasets, PieceWriter& writer,
                  const std::shared_ptr<StagingPool>& staging, const RowsStaged& staged) {
-  std::map<std::string_view, const Dataset*> by_key;
-  for (const Dataset& d : datasets) by_key.emplace(d.key, &d);
+  const std::vector<const Dataset*> dataset_of = datasets_of_items(plan, datasets);
   // Rows of device items staged in the pool, per buffer, in write order: a buffer's rows are written
   // once the engine has copied them, while it copies into the next buffer.
   struct Staged {
@@ -92,11 +115,10 @@ void write_items(const SavePlan& plan, std::span<const Dataset> datasets, PieceW
   for (std::size_t n = 0; n < plan.items.size(); ++n) {
     const SaveItem& i = plan.items[n];
     if (!i.writes) continue;
-    const auto it = by_key.find(i.key);
-    require(it != by_key.end(), Errc::missing_key, "key ", i.key, " has no dataset in the checkpoint being written");
+    const Dataset* const dataset = dataset_of[n];
     if (i.data.space().host_accessible()) {
       if (arena) arena->drain(write_buffer);  // the file gets the items in order
-      writer.write(*it->second, i.box, i.data);
+      writer.write(*dataset, i.box, i.data);
       if (staged) staged(n, 0, i.data);
       continue;
     }
@@ -108,7 +130,7 @@ void write_items(const SavePlan& plan, std::span<const Dataset> datasets, PieceW
       const MutTensorView rows = arena->take(i.data, i.data.rows() - r0, write_buffer);
       arena->engine().copy_to_host(i.data.slice_rows(r0, r0 + rows.rows()), rows);
       pending[static_cast<std::size_t>(arena->current())].push_back(
-          {it->second, {{i.box.rows.begin + r0, i.box.rows.begin + r0 + rows.rows()}, i.box.cols}, rows, n, r0});
+          {dataset, {{i.box.rows.begin + r0, i.box.rows.begin + r0 + rows.rows()}, i.box.cols}, rows, n, r0});
       r0 += rows.rows();
     }
   }

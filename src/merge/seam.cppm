@@ -35,8 +35,10 @@ SavePlan plan_save(const StateDict& state, bool share_replicas);
 // first_row + rows.rows()) of the item as they were read, in host memory. Device rows are told once
 // their copy has landed and before they are written; host rows once written. Items in plan order.
 using RowsStaged = std::function<void(std::size_t item, std::int64_t first_row, TensorView rows)>;
-// Writes this rank's items, in order, into a skeleton whose datasets are `datasets`. Items in device
-// memory go through `staging`: while one buffer's rows are written, the engine copies the next.
+// Writes this rank's items, in order, into a skeleton whose datasets are `datasets` (in key order, as
+// the skeleton lists them; each item's found once, before a byte is written). Items in device memory
+// go through `staging` (none: the library's pool for their device): while one buffer's rows are
+// written, the engine copies the next.
 void write_items(const SavePlan& plan, std::span<const Dataset> datasets, PieceWriter& writer,
                  const std::shared_ptr<StagingPool>& staging = nullptr, const RowsStaged& staged = {});
 
