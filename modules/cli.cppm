@@ -91,9 +91,8 @@ struct RankDevice {
   std::shared_ptr<StagingPool> pool;
 };
 // `rank` picks the CUDA device (rank modulo the devices), whose engine is the library's
-// (device_engine) and whose loads take the library's pools (no pool here). An emulated device is the
-// tool's own: for loads (rank_bytes > 0) its pool has two buffers of staging_buffer_bytes(rank_bytes).
-// Throws Errc::device without a CUDA device.
+// (device_engine); an emulated device is the tool's own. For loads (rank_bytes > 0) the pool has two
+// buffers of staging_buffer_bytes(rank_bytes). Throws Errc::device without a CUDA device.
 RankDevice open_device(const std::string& device, int rank, std::int64_t rank_bytes);
 // Pinned buffers of 64 MiB, or less for a rank whose shards are smaller (the demo's are small, and
 // each thread rank would otherwise pin 128 MiB).

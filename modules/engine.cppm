@@ -137,7 +137,7 @@ class StagingPool {
 // The engine and pools the library uses for a device's memory when its caller gives none (a save or
 // load of device shards without SaveOptions::staging or LoadOptions::staging, Python's tensors on a
 // GPU). One engine per device for the process, made on first use by the device maker: CudaEngine,
-// registered by shardckpt.cuda where the library is built with CUDA; none otherwise (Errc::device).
+// where the library is built with CUDA; none otherwise (Errc::device).
 using DeviceEngineMaker = std::function<std::shared_ptr<CopyEngine>(int device)>;
 // Puts `maker` in place of the device maker (an engine for other hardware, an emulated device for
 // tests), forgets the engines and pools made by the one before, and returns that one. Engines and

@@ -299,12 +299,26 @@ MutTensorView StagingPool::rows_of(int i, TensorView like, std::int64_t rows) {
                                like.shape().with_rows(rows), MemorySpace::pinned());
 }
 
+#if SHARDCKPT_HAVE_CUDA
+// In src/cuda/cuda.cpp: a CudaEngine of the device.
+extern "C++" std::shared_ptr<CopyEngine> shardckpt_make_cuda_engine(int device);
+#endif
+
 namespace {
 
-// What the library made for devices: the maker, and per device its engine and the pools handed out.
+DeviceEngineMaker library_device_maker() {
+#if SHARDCKPT_HAVE_CUDA
+  return [](int device) { return shardckpt_make_cuda_engine(device); };
+#else
+  return nullptr;
+#endif
+}
+
+// What the library made for devices: the maker (CUDA's where the library has it), and per device its
+// engine and the pools handed out.
 struct DeviceEngines {
   std::mutex mutex;
-  DeviceEngineMaker maker;
+  DeviceEngineMaker maker = library_device_maker();
   std::map<int, std::shared_ptr<CopyEngine>> engines;
   std::map<int, std::vector<std::shared_ptr<StagingPool>>> pools;
 };
@@ -352,7 +366,11 @@ std::shared_ptr<StagingPool> device_staging(MemorySpace space) {
   std::vector<std::shared_ptr<StagingPool>>& pools = d.pools[space.device];
   // Copies of a handed-out pool are made only here, under the lock: one held by the registry alone is free.
   for (const std::shared_ptr<StagingPool>& pool : pools)
-    if (pool.use_count() == 1) return pool;
+    if (pool.use_count() == 1) {
+      // The last holder's use of the buffers happened before its release of the pool.
+      std::atomic_thread_fence(std::memory_order_acquire);
+      return pool;
+    }
   pools.push_back(std::make_shared<StagingPool>(std::move(engine)));
   return pools.back();
 }

@@ -203,6 +203,24 @@ TEST(DeviceSave, TenSavesAllocateNoDeviceMemoryAndNoMorePinnedMemory) {
   EXPECT_EQ(host_mismatches(c, {1, 4, 4, 1}, dir / "a.h5", adam), 0);
 }
 
+// A save that fails once copies are on their way leaves no device work behind: the pool's buffers
+// go back only once the engine is done with them (the next save or load may take the same pool).
+TEST(DeviceSave, AFailedSaveWaitsForTheCopiesItStarted) {
+  ScratchDir dir;
+  const auto device = std::make_shared<EmulatedDevice>(0, EmulatedDevice::Progress::when_waited);
+  const auto pool = std::make_shared<StagingPool>(device, 4096);
+  StateDict state;
+  // "a" first (items in key order): small rows, copied into the pool; "b": a row larger than a buffer
+  state.add(ShardedTensor::of("a", device->allocate_device(DType::f32, {64, 4}), {64, 4}, {0, 0}));
+  state.add(ShardedTensor::of("b", device->allocate_device(DType::f32, {1, 2048}), {1, 2048}, {0, 0}));
+  const Error e = error_of([&] { save(state, dir / "a.h5", {.staging = pool}); });
+  EXPECT_EQ(e.code(), Errc::invalid_argument) << e.what();
+  EXPECT_NE(std::string(e.what()).find("does not fit a staging buffer"), std::string::npos) << e.what();
+  EXPECT_GT(device->stats().copies_to_host, 0u) << "the save began copying before it failed";
+  EXPECT_EQ(device->stats().unfinished, 0u);
+  EXPECT_FALSE(std::filesystem::exists(dir / "a.h5"));
+}
+
 TEST(DeviceSave, DeviceShardsWithoutAnEngineFailEveryRankAndWriteNothing) {
   ScratchDir dir;
   const auto c = tiny_model();

@@ -124,18 +124,14 @@ RankDevice open_device(const std::string& device, int rank, std::int64_t rank_by
 #ifdef SHARDCKPT_HAVE_CUDA
     const int devices = CudaEngine::devices();
     require(devices > 0, Errc::device, "--device cuda: no CUDA device is available");
-    // the library's engine and pools for the device (device_engine; saves and loads take a pool
-    // of it themselves)
-    out.engine = device_engine(MemorySpace::on_device(rank % devices));
-    out.placement = {MemoryKind::device, out.engine};
-    return out;
+    out.engine = device_engine(MemorySpace::on_device(rank % devices));  // the library's, for the device
 #else
     (void)rank;
     throw Error(Errc::device, "--device cuda: this build has no CUDA support");
 #endif
   }
   out.placement = {MemoryKind::device, out.engine};
-  // an emulated device is the tool's own: its pool too, sized to the rank's bytes
+  // a pool sized to the rank's bytes: thread ranks with small shards need not pin 128 MiB each
   if (rank_bytes > 0) out.pool = std::make_shared<StagingPool>(out.engine, staging_buffer_bytes(rank_bytes));
   return out;
 }

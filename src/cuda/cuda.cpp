@@ -5,7 +5,6 @@ module;
 #include <cstddef>
 #include <cstdint>
 #include <deque>
-#include <functional>
 #include <memory>
 #include <mutex>
 #include <utility>
@@ -192,14 +191,10 @@ std::size_t CudaEngine::free_device_memory() const {
   return free;
 }
 
-namespace {
-
-// CUDA devices are the library's devices: device_engine and device_staging make CudaEngines.
-[[maybe_unused]] const bool cuda_is_the_device_maker = [] {
-  (void)set_device_engine_maker([](int device) { return std::make_shared<CudaEngine>(device); });
-  return true;
-}();
-
-}  // namespace
+// The library's device maker in a build with CUDA (src/engine.cpp names it, so that a static link
+// keeps this unit): CUDA devices are the library's devices.
+extern "C++" std::shared_ptr<CopyEngine> shardckpt_make_cuda_engine(int device) {
+  return std::make_shared<CudaEngine>(device);
+}
 
 }  // namespace shardckpt

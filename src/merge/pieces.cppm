@@ -127,6 +127,14 @@ class Arena {
       : pool_(std::move(pool)), fences_(static_cast<std::size_t>(pool_->buffers())) {}
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;
+  // Work an error left may still copy into or out of the buffers: the pool goes back (to its owner,
+  // or to the library's pools for the next save or load) only once the engine is done with them.
+  ~Arena() {
+    try {
+      engine().wait(engine().fence());
+    } catch (...) {  // the error that ended the transfer is the one its caller reports
+    }
+  }
 
   CopyEngine& engine() const { return pool_->engine(); }
   int current() const noexcept { return current_; }

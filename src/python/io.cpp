@@ -231,6 +231,8 @@ py::dict inspect_dict(const InspectReport& r) {
   return out;
 }
 
+void bind_saver_saves(py::class_<PySaver>& saver);
+
 void bind_saver(py::module_& m) {
   py::class_<PyAsyncSave>(m, "AsyncSave",
                           "A save in the background: wait_staged() returns once its bytes have left the shards, "
@@ -243,8 +245,8 @@ void bind_saver(py::module_& m) {
       .def("staged", [](const PyAsyncSave& s) { return s.pending->save.staged(); })
       .def("wait", [](PyAsyncSave& s) { s.pending->wait(); })
       .def("done", [](const PyAsyncSave& s) { return s.pending->save.done(); });
-  py::class_<PySaver>(m, "Saver", "Repeated (and async) saves of one rank; collective to make.")
-      .def(py::init([](py::object group, std::optional<int> cuda_device, const py::int_& async_host_bytes,
+  py::class_<PySaver> saver(m, "Saver", "Repeated (and async) saves of one rank; collective to make.");
+  saver.def(py::init([](py::object group, std::optional<int> cuda_device, const py::int_& async_host_bytes,
                        bool check_unchanged, const py::int_& staging_buffer_bytes, bool reserve) {
              SaverOptions o;
              o.async_host_bytes = byte_count(async_host_bytes, "async_host_bytes");
@@ -262,7 +264,28 @@ void bind_saver(py::module_& m) {
            }),
            py::arg("group") = py::none(), py::arg("cuda_device") = py::none(), py::arg("async_host_bytes") = 0,
            py::arg("check_unchanged") = false, py::arg("staging_buffer_bytes") = StagingPool::default_buffer_bytes,
-           py::arg("reserve") = true)
+           py::arg("reserve") = true);
+  bind_saver_saves(saver);
+  saver
+      .def("close", &PySaver::close,
+           "Ends the save in flight (if any) and frees the saver's memory and private group; a closed saver "
+           "refuses every call. Every saver still open closes at interpreter exit.")
+      .def(
+          "reserve",
+          [](const PySaver& s) {
+            const std::shared_ptr<Saver> saver = s.use();
+            py::gil_scoped_release nogil;
+            saver->reserve();
+          },
+          "Allocates the budget and faults in its pages if the saver does not hold it yet (made with "
+          "reserve=False); this rank alone.")
+      .def("async_host_bytes", [](const PySaver& s) { return s.use()->async_host_bytes(); })
+      .def("staging_bytes", [](const PySaver& s) { return s.use()->staging_bytes(); });
+}
+
+// Saver.save and Saver.save_async.
+void bind_saver_saves(py::class_<PySaver>& saver) {
+  saver
       .def("save",
            [](PySaver& s, const PyStateDict& state, const Path& path) {
              std::shared_ptr<Saver> saver = s.use();
@@ -298,22 +321,10 @@ void bind_saver(py::module_& m) {
              s.track(pending);
              return PyAsyncSave{pending};
            },
-           py::arg("state"), py::arg("path"))
-      .def("close", &PySaver::close,
-           "Ends the save in flight (if any) and frees the saver's memory and private group; a closed saver "
-           "refuses every call. Every saver still open closes at interpreter exit.")
-      .def(
-          "reserve",
-          [](const PySaver& s) {
-            const std::shared_ptr<Saver> saver = s.use();
-            py::gil_scoped_release nogil;
-            saver->reserve();
-          },
-          "Allocates the budget and faults in its pages if the saver does not hold it yet (made with "
-          "reserve=False); this rank alone.")
-      .def("async_host_bytes", [](const PySaver& s) { return s.use()->async_host_bytes(); })
-      .def("staging_bytes", [](const PySaver& s) { return s.use()->staging_bytes(); });
+           py::arg("state"), py::arg("path"));
 }
+
+void bind_tools(py::module_& m);
 
 }  // namespace
 
@@ -370,6 +381,15 @@ void bind_io(py::module_& m) {
           return tensors_dict(read->loaded, read->scalars);
         },
         py::arg("path"), py::arg("tp") = 1, py::arg("tp_rank") = 0, py::arg("map") = true);
+  bind_tools(m);
+  bind_saver(m);
+  py::module_::import("atexit").attr("register")(py::cpp_function(&close_savers));
+}
+
+namespace {
+
+// verify, inspect and adopt.
+void bind_tools(py::module_& m) {
   // The CLI's answer (src/cli/verify.cpp): verified when the checkpoint is checksummed and every row
   // matches; a checkpoint without checksums is not verified (the CLI exits 1 for it).
   m.def("verify", [](const Path& path) {
@@ -420,8 +440,8 @@ void bind_io(py::module_& m) {
           return d;
         },
         py::arg("source"), py::arg("out"), py::arg("records"), py::arg("common"));
-  bind_saver(m);
-  py::module_::import("atexit").attr("register")(py::cpp_function(&close_savers));
 }
+
+}  // namespace
 
 }  // namespace shardckpt::python

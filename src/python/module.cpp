@@ -138,6 +138,8 @@ constexpr const char* kParamSpecDoc =
     "`divisors`: the global sizes TP must divide (ssm_divisors(dims) for a fused layout), recorded in the checkpoint "
     "so that a load at a TP they do not divide is refused.";
 
+void bind_param_spec(py::module_& m);
+
 void bind_specs(py::module_& m) {
   py::class_<SsmDims>(m, "SsmDims", "Global model sizes the fused layouts are computed from.")
       .def(py::init([](std::int64_t heads, std::int64_t head_dim, std::int64_t groups, std::int64_t state,
@@ -168,6 +170,10 @@ void bind_specs(py::module_& m) {
       .def("__eq__", [](const TpDivisor& a, const TpDivisor& b) { return a == b; })
       .def("__repr__", [](const TpDivisor& d) { return cat("TpDivisor('", d.name, "', ", d.count, ")"); });
   m.def("ssm_divisors", &ssm_divisors, py::arg("dims"), "What a fused GDP or Mamba weight must be given: heads, groups.");
+  bind_param_spec(m);
+}
+
+void bind_param_spec(py::module_& m) {
   py::class_<ParamSpec>(m, "ParamSpec", kParamSpecDoc)
       .def(py::init([](const py::str& key, std::vector<Section> sections, std::vector<std::int64_t> trailing,
                        const std::string& tp_axis, std::int64_t tp, std::vector<TpDivisor> divisors,
