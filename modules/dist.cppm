@@ -46,7 +46,7 @@ struct SaveOptions {
   // Told, on the rank that wrote them, how many more bytes were written; must not throw.
   BytesDone progress = {};
   // Pinned buffers through which shards in device memory are written; none: the library's pool for
-  // their device (device_staging). A Saver brings its own.
+  // their device (device_staging). A Saver with an engine brings its own.
   std::shared_ptr<StagingPool> staging = nullptr;
 };
 
@@ -116,7 +116,9 @@ class AsyncSave {
 };
 
 struct SaverOptions {
-  // The engine of the device the shards live on; none for host memory only.
+  // The engine of the device the shards live on. None: device shards go through the library's pool
+  // for their device (device_staging), except in an async save staged whole or checked with
+  // check_unchanged (Errc::invalid_argument).
   std::shared_ptr<CopyEngine> engine = nullptr;
   // The pool of pinned buffers device rows stream through (staging_buffers of staging_buffer_bytes).
   std::size_t staging_buffer_bytes = StagingPool::default_buffer_bytes;
