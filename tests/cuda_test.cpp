@@ -1,5 +1,6 @@
 // The CUDA copy engine on a real device: copies and zero fills in stream order, device shards saved
-// through a Saver's pinned pool (no device memory allocated by ten saves), loaded in place, saved in
+// through a Saver's pinned pool (no device memory allocated by ten saves), loaded in place, saved and
+// loaded through the library's engine for the device with no pool given, saved in
 // the background while the caller overwrites them (staged whole, and streamed through a bounded budget
 // after the trainer's stream). Without a CUDA device every test skips, and the
 // suite exits 77 (skipped).
@@ -85,6 +86,28 @@ TEST(Cuda, DeviceShardsSaveWithoutDeviceMemoryAndLoadInPlace) {
     EXPECT_EQ(v.mismatches, 0) << v.first_mismatch;
     EXPECT_GT(v.values, 0);
   });
+}
+
+// With no pool given, saves and loads of CUDA shards take the library's engine for the device (one
+// per process) and a pool of it: what the Python binding and a plain load_into do.
+TEST(Cuda, DeviceShardsSaveAndLoadThroughTheLibrarysEngineWithNoPoolGiven) {
+  REQUIRE_GPU();
+  testing_support::ScratchDir dir;
+  const auto c = tiny_model();
+  const std::shared_ptr<CopyEngine> engine = device_engine(MemorySpace::on_device(0));
+  EXPECT_EQ(engine->name(), "cuda");
+  EXPECT_EQ(device_engine(MemorySpace::on_device(0)).get(), engine.get());
+  const demo::ShardMemory device{MemoryKind::device, engine};
+  run_ranks(2, [&](ProcessGroup& g) {
+    demo::RankModel m = demo::build_rank(c, {1, 2, 8, 1}, g.rank(), {}, device);
+    save(m.state, dir / "a.h5", g);
+    StateDict model = demo::with_destinations(demo::request(c, {2, 1, 0, 1}, g.rank()), device);
+    const Values values = load_into(dir / "a.h5", model, g);
+    const demo::Verification v = demo::verify(c, {}, g.rank(), model, values, engine.get());
+    EXPECT_EQ(v.mismatches, 0) << v.first_mismatch;
+    EXPECT_GT(v.values, 0);
+  });
+  EXPECT_EQ(engine->stats().unfinished, 0u);
 }
 
 TEST(Cuda, AsyncSaveFromTheDeviceKeepsTheWeightsAsTheyWere) {
