@@ -148,8 +148,9 @@ DeviceEngineMaker set_device_engine_maker(DeviceEngineMaker maker);
 // cannot make one (no such device).
 std::shared_ptr<CopyEngine> device_engine(MemorySpace space);
 // A pool of pinned buffers (the default two of 64 MiB) of `space`'s engine that no one else is using:
-// a pool handed out before and since let go is handed out again, else a new one is made. A load
-// or a save holds it for as long as it runs, so ranks that run at once never share buffers.
+// a pool handed out before and since let go is handed out again, else a new one is made (and kept
+// for the life of the process). A load or a save holds it for as long as it runs, so ranks that run
+// at once never share buffers.
 std::shared_ptr<StagingPool> device_staging(MemorySpace space);
 
 }  // namespace shardckpt
