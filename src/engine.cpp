@@ -10,10 +10,10 @@ module;
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <map>
 #include <thread>
 #include <utility>
 #include <vector>
