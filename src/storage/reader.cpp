@@ -300,11 +300,13 @@ void ReaderState::read_storage(hid_t set, const std::string& name, Entry::Header
     refuse(cat("dataset ", name, " has elements that were never stored (HDF5 would read them as its fill value)"));
 }
 
-const Dataset& ReaderState::info(std::string_view key) const {
+const ReaderState::Entry& ReaderState::tensor_entry(std::string_view key) const {
   const Entry& e = entry(key);
   if (!e.info) refuse(cat("the object ", key, " is ", e.skipped, ", not a tensor"));
-  return *e.info;
+  return e;
 }
+
+const Dataset& ReaderState::info(std::string_view key) const { return *tensor_entry(key).info; }
 
 const fs::path& CheckpointReader::path() const noexcept { return impl_->path; }
 int CheckpointReader::version() const noexcept { return impl_->version; }
@@ -373,8 +375,7 @@ const Dataset& CheckpointReader::dataset(std::string_view key) const { return im
 
 std::vector<Slab> CheckpointReader::slabs(const Dataset& d) const {
   const ReaderState& m = *impl_;
-  (void)m.info(d.key);
-  return m.slabs_for(m.entry(d.key)).slabs;
+  return m.slabs_for(m.tensor_entry(d.key)).slabs;
 }
 
 }  // namespace shardckpt

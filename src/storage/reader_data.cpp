@@ -229,8 +229,7 @@ void CheckpointReader::read(const Dataset& d, const Box& box, MutTensorView dst,
   if (box.empty()) return;
   auto* out = static_cast<std::byte*>(static_cast<void*>(dst.data()));
   const std::int64_t es = element_bytes(d.dtype), width = box.cols.size();
-  (void)m.info(d.key);
-  const ReaderState::Entry& e = m.entry(d.key);
+  const ReaderState::Entry& e = m.tensor_entry(d.key);
   if (!options.verify || !m.checksummed) {
     m.read_unchecked(d, e, box, out, width, 0, options);
     if (options.progress) options.progress(box_elements(box) * es);

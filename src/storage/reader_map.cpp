@@ -250,8 +250,7 @@ std::optional<Mapping> locate_and_map(const ReaderState& m, std::vector<Located>
                                       const ReadOptions& options) {
   for (std::size_t i = 0; i < located.size(); ++i) {
     Located& p = located[i];
-    (void)m.info(p.d->key);
-    const ReaderState::Entry& e = m.entry(p.d->key);
+    const ReaderState::Entry& e = m.tensor_entry(p.d->key);
     if (e.external) return std::nullopt;  // its bytes are in another file
     const std::vector<RawRegion>& regions = m.regions_for(e);
     // One contiguous region of the whole dataset (not chunked, not filtered, the library's byte

@@ -141,6 +141,8 @@ struct ReaderState {
   hdf5::Hid group(hid_t parent, const char* name, std::string_view shown, const hdf5::Where& w) const;
   const Entry& entry(std::string_view key) const;
   Entry::Header read_header(const std::string& name) const;
+  // The entry of a tensor (one lookup): a key that names something else is refused.
+  const Entry& tensor_entry(std::string_view key) const;
   const Dataset& info(std::string_view key) const;
   void read_storage(hid_t set, const std::string& name, Entry::Header& e, const hdf5::Where& w) const;
   const std::vector<RawRegion>& regions_for(const Entry& e) const;
