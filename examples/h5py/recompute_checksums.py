@@ -22,9 +22,10 @@ with open(path, "rb") as file, h5py.File(path, "r") as f:
                 if d.chunks is None:                # contiguous: row after row
                     at = d.id.get_offset() + (r * width + c0) * es
                 else:                               # band-chunked: a checksummed row lies in one chunk
-                    cw = int(np.prod(d.chunks[1:])) # chunk width in elements
-                    corner = (r // d.chunks[0] * d.chunks[0], c0 // cw * d.chunks[1]) + (0,) * (d.ndim - 2)
-                    at = d.id.get_chunk_info_by_coord(corner).byte_offset + ((r % d.chunks[0]) * cw + c0 % cw) * es
+                    start = (r,) + np.unravel_index(c0, d.shape[1:])      # its first element
+                    corner = tuple(i // n * n for i, n in zip(start, d.chunks))
+                    inside = np.ravel_multi_index([i - o for i, o in zip(start, corner)], d.chunks)
+                    at = d.id.get_chunk_info_by_coord(corner).byte_offset + int(inside) * es
                 file.seek(at)
                 row = file.read((c1 - c0) * es)
                 if xxhash.xxh3_64_intdigest(row) != int(sums[first + r - r0]):

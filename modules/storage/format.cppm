@@ -45,13 +45,20 @@ struct ExternalData {
   std::string file;
   std::uint64_t offset = 0;
 };
-// Raw data the raw path can address: the elements `box` of a dataset, stored row-major from
-// `address` with rows of box.cols.size() elements. A contiguous dataset is one region; a chunked one
-// has one per chunk (an edge chunk's box reaches past the data).
+// Raw data the raw path can address, stored from `address`: for each row of `box`, `runs` runs of
+// box.cols.size() elements, run j holding the elements box.cols shifted by j * period, one after
+// another, then the next row's. A contiguous dataset is one region of one run per row; a chunked one
+// has a region per chunk (an edge chunk's box reaches past the data). A chunk split along a dim k
+// past 1 holds, in each row, a run for each index of dims 1..k-1: runs = their product, period =
+// the elements of one index of dim k-1.
 struct RawRegion {
   Box box;
   std::uint64_t address = 0;
+  std::int64_t runs = 1;
+  std::int64_t period = 0;
 };
+// The elements a region's bytes hold.
+inline std::int64_t region_elements(const RawRegion& e) { return box_elements(e.box) * e.runs; }
 
 // A tensor dataset: its key, dtype and global shape, and as far as they apply how it is stored: where
 // a local file's piece belongs (placement), its chunk dims (empty: contiguous, see datasets_of), the
@@ -70,8 +77,9 @@ struct Dataset {
 
 // The datasets of a validated claim set, one per key in key order. `first_checksums[i]` is where the
 // checksums of claims[i] start (ignored for replicas and empty claims). The chunking policy: a
-// dataset whose pieces all split dim 1 into equal, aligned bands (row-parallel weights under TP) is
-// chunked one band wide, so that each band's rows are contiguous bytes; the rest are contiguous.
+// dataset whose pieces all split one dim k >= 1 into equal, aligned bands (row-parallel weights
+// under TP, layer-stacked or not) is chunked one band of dim k wide, so that each band's part of a
+// row is contiguous bytes; the rest are contiguous.
 std::vector<Dataset> datasets_of(std::span<const Claim> claims, std::span<const std::int64_t> first_checksums);
 
 

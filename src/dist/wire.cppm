@@ -211,6 +211,8 @@ inline void put_dataset(Writer& w, const Dataset& d) {
   for (const RawRegion& e : d.regions) {
     for (std::int64_t v : {e.box.rows.begin, e.box.rows.end, e.box.cols.begin, e.box.cols.end}) w.i64(v);
     w.i64(static_cast<std::int64_t>(e.address));
+    w.i64(e.runs);
+    w.i64(e.period);
   }
 }
 
@@ -226,6 +228,8 @@ inline Dataset get_dataset(Reader& r) {
     e.box.cols.begin = r.i64();
     e.box.cols.end = r.i64();
     e.address = static_cast<std::uint64_t>(r.i64());
+    e.runs = r.i64();
+    e.period = r.i64();
     d.regions.push_back(e);
   }
   return d;

@@ -63,29 +63,37 @@ std::vector<RawRegion> raw_regions_of(hid_t set, hid_t type, const std::vector<s
   if (check(H5Pget_chunk(dcpl.get(), static_cast<int>(rank), dims.data()), w, Errc::not_a_checkpoint) !=
       static_cast<int>(rank))
     return {};
-  std::int64_t inner = 1;
-  for (std::size_t d = 2; d < rank; ++d) {
-    if (static_cast<std::int64_t>(dims[d]) != shape[d]) return {};
-    inner *= shape[d];
-  }
   for (hsize_t d : dims)
     if (d == 0 || d > static_cast<hsize_t>(std::numeric_limits<std::int32_t>::max())) return {};
+  // The dim the chunks split besides dim 0 (1 when none does); every other dim is whole.
+  std::size_t k = 1;
+  for (std::size_t d = 2; d < rank; ++d)
+    if (static_cast<std::int64_t>(dims[d]) != shape[d]) k = d;
+  for (std::size_t d = 1; d < rank; ++d)
+    if (d != k && static_cast<std::int64_t>(dims[d]) != shape[d]) return {};
+  std::int64_t inner = 1, before = 1;  // elements of one index of dim k; indices of dims 1..k-1
+  for (std::size_t d = k + 1; d < rank; ++d) inner *= shape[d];
+  for (std::size_t d = 1; d < k && d < rank; ++d) before *= shape[d];
   const auto chunk_rows = static_cast<std::int64_t>(dims[0]);
-  const std::int64_t chunk_dim1 = rank > 1 ? static_cast<std::int64_t>(dims[1]) : 1;
-  const std::int64_t chunk_cols = chunk_dim1 * inner;
+  const std::int64_t chunk_dimk = rank > 1 ? static_cast<std::int64_t>(dims[k]) : 1;
+  const std::int64_t dimk = rank > 1 ? shape[k] : 1;
+  // Past dim 1 the bands must divide the dim: a run of an edge chunk would reach into the next index.
+  if (k > 1 && dimk % chunk_dimk != 0) return {};
+  const std::int64_t chunk_cols = chunk_dimk * inner;
   const std::int64_t row_chunks = (shape[0] + chunk_rows - 1) / chunk_rows;
-  const std::int64_t col_chunks = rank > 1 ? (shape[1] + chunk_dim1 - 1) / chunk_dim1 : 1;
+  const std::int64_t col_chunks = (dimk + chunk_dimk - 1) / chunk_dimk;
   if (row_chunks > max_raw_chunks || col_chunks > max_raw_chunks / std::max<std::int64_t>(row_chunks, 1))
     return {};
-  const std::int64_t chunk_bytes =
-      checked_mul(checked_mul(chunk_rows, chunk_cols, "chunk size", Errc::not_a_checkpoint), element_bytes(dtype),
-                  "chunk size", Errc::not_a_checkpoint);
+  const std::int64_t chunk_bytes = checked_mul(
+      checked_mul(checked_mul(chunk_rows, chunk_cols, "chunk size", Errc::not_a_checkpoint), before, "chunk size",
+                  Errc::not_a_checkpoint),
+      element_bytes(dtype), "chunk size", Errc::not_a_checkpoint);
   std::vector<RawRegion> out;
   std::vector<hsize_t> offset(rank, 0);
   for (std::int64_t rc = 0; rc < row_chunks; ++rc)
     for (std::int64_t cc = 0; cc < col_chunks; ++cc) {
       offset[0] = static_cast<hsize_t>(rc * chunk_rows);
-      if (rank > 1) offset[1] = static_cast<hsize_t>(cc * chunk_dim1);
+      if (rank > 1) offset[k] = static_cast<hsize_t>(cc * chunk_dimk);
       unsigned filters = 0;
       haddr_t addr = HADDR_UNDEF;
       hsize_t size = 0;
@@ -95,7 +103,7 @@ std::vector<RawRegion> raw_regions_of(hid_t set, hid_t type, const std::vector<s
         return {};
       }
       const std::int64_t row = rc * chunk_rows, col = cc * chunk_cols;
-      out.push_back({{{row, row + chunk_rows}, {col, col + chunk_cols}}, addr});
+      out.push_back({{{row, row + chunk_rows}, {col, col + chunk_cols}}, addr, before, dimk * inner});
     }
   return out;
 }

@@ -48,30 +48,41 @@ std::uint64_t row_hash(const void* bytes, std::size_t n) noexcept;
 std::string rows_text(const Box& box, const Box& whole);
 
 // Where the raw data of an open dataset lies, when the raw path may use it: stored unfiltered in
-// exactly the library's type, allocated in full, split (if chunked) along dims 0 and 1 only. Empty
-// where it may not.
+// exactly the library's type, allocated in full, split (if chunked) along dim 0 and at most one
+// other dim (past dim 1 only into equal bands). Empty where it may not.
 std::vector<RawRegion> raw_regions_of(hid_t set, hid_t type, const std::vector<std::int64_t>& shape, DType dtype,
                                       const hdf5::Where& w);
 
 // Moves `box` (a box of one dataset) between the file and memory, where memory row i of the box
-// starts at mem + i * mem_stride bytes. For each extent the box meets, `move(p, run, rows, at,
-// file_stride)` moves `rows` rows of `run` bytes: file row i at at + i * file_stride, memory row i
-// at p + i * mem_stride.
+// starts at mem + i * mem_stride bytes. For each run of each extent the box meets, `move(p, run,
+// rows, at, file_stride)` moves `rows` rows of `run` bytes: file row i at at + i * file_stride,
+// memory row i at p + i * mem_stride.
 template <class Mem, class Move>
 void transfer(const std::filesystem::path& file, std::span<const RawRegion> extents, std::int64_t es, const Box& box, Mem* mem,
               std::int64_t mem_stride, Move&& move) {
   std::int64_t moved = 0;
   for (const RawRegion& e : extents) {
-    const Box hit = box.intersect(e.box);
-    if (hit.empty()) continue;
-    moved += box_elements(hit);
-    const std::int64_t file_stride = e.box.cols.size() * es, run = hit.cols.size() * es;
-    const std::uint64_t at =
-        e.address +
-        static_cast<std::uint64_t>(
-            ((hit.rows.begin - e.box.rows.begin) * e.box.cols.size() + hit.cols.begin - e.box.cols.begin) * es);
-    move(mem + (hit.rows.begin - box.rows.begin) * mem_stride + (hit.cols.begin - box.cols.begin) * es,
-         static_cast<std::size_t>(run), static_cast<std::size_t>(hit.rows.size()), at, file_stride);
+    const std::int64_t width = e.box.cols.size(), first = e.box.cols.begin;
+    const std::int64_t file_stride = width * e.runs * es;
+    // The runs that may meet the box's elements: run j holds [first + j * period, ... + width).
+    std::int64_t j0 = 0, j1 = 1;
+    if (e.runs > 1) {
+      if (box.cols.end <= first || e.period <= 0) continue;
+      j0 = box.cols.begin <= first ? 0 : (box.cols.begin - first) / e.period;
+      j1 = std::min(e.runs, (box.cols.end - 1 - first) / e.period + 1);
+    }
+    for (std::int64_t j = j0; j < j1; ++j) {
+      const Range cols{first + j * e.period, first + j * e.period + width};
+      const Box hit = box.intersect({e.box.rows, cols});
+      if (hit.empty()) continue;
+      moved += box_elements(hit);
+      const std::int64_t run = hit.cols.size() * es;
+      const std::uint64_t at =
+          e.address + static_cast<std::uint64_t>(
+                          ((hit.rows.begin - e.box.rows.begin) * width * e.runs + j * width + hit.cols.begin - cols.begin) * es);
+      move(mem + (hit.rows.begin - box.rows.begin) * mem_stride + (hit.cols.begin - box.cols.begin) * es,
+           static_cast<std::size_t>(run), static_cast<std::size_t>(hit.rows.size()), at, file_stride);
+    }
   }
   require(moved == box_elements(box), Errc::not_a_checkpoint, file.string(),
           ": the dataset's chunks do not cover the slab being moved");

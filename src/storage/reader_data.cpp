@@ -65,7 +65,7 @@ std::vector<RawRegion> ReaderState::find_regions(const Entry& e) const {
     extents = raw_regions_of(set.get(), type.get(), d.shape, d.dtype, dw);
   }
   for (const RawRegion& x : extents) {
-    const auto bytes = static_cast<std::uint64_t>(box_elements(x.box)) * dtype_size(d.dtype);
+    const auto bytes = static_cast<std::uint64_t>(region_elements(x)) * dtype_size(d.dtype);
     if (x.address > size || bytes > size - x.address)
       refuse(cat("dataset ", d.key, " ends at byte ", x.address + bytes, " but ", where, " has ", size,
                  " (truncated)"));

@@ -255,7 +255,8 @@ std::optional<Mapping> locate_and_map(const ReaderState& m, std::vector<Located>
     const std::vector<RawRegion>& regions = m.regions_for(e);
     // One contiguous region of the whole dataset (not chunked, not filtered, the library's byte
     // order: regions_for is empty otherwise), rows as wide as the dataset's.
-    if (regions.size() != 1 || regions[0].box != whole_box(p.d->shape) || p.box.cols != regions[0].box.cols)
+    if (regions.size() != 1 || regions[0].runs != 1 || regions[0].box != whole_box(p.d->shape) ||
+        p.box.cols != regions[0].box.cols)
       return std::nullopt;
     p.at = regions[0].address + static_cast<std::uint64_t>(p.box.rows.begin * p.box.cols.size() * es);
     if (p.at % static_cast<std::uint64_t>(es) != 0) return std::nullopt;  // elements must lie aligned in memory
