@@ -90,6 +90,9 @@ ShardedParam optimizer_state(const ShardedParam& param, std::string_view name, D
 class CheckedParam {
  public:
   const ShardedParam& param() const noexcept [[clang::lifetimebound]] { return param_; }
+  // The rows of the shard that hold the weight's rows (the rest are pad rows), from the plan the
+  // check made.
+  std::int64_t real_rows() const noexcept { return real_rows_; }
   // The shard, given once the shape it must have is known.
   CheckedParam&& with_shard(TensorRef shard) && [[clang::lifetimebound]] {
     param_.shard = std::move(shard);
@@ -99,8 +102,9 @@ class CheckedParam {
  private:
   friend CheckedParam check_param(ShardedParam param);
   friend class StateDict;
-  explicit CheckedParam(ShardedParam param) : param_(std::move(param)) {}
+  CheckedParam(ShardedParam param, std::int64_t real_rows) : param_(std::move(param)), real_rows_(real_rows) {}
   ShardedParam param_;
+  std::int64_t real_rows_ = 0;
 };
 // Throws Errc::layout or invalid_argument, naming the parameter and its coordinates, for what
 // StateDict::add refuses.

@@ -97,7 +97,7 @@ void StateDict::add(ShardedTensor tensor) {
 
 CheckedParam check_param(ShardedParam param) {
   validate(param.spec);
-  (void)plan_rank(param.spec, param.gtp, param.align, param.coord);  // rejects bad coordinates and geometry now
+  const RankPlan plan = plan_rank(param.spec, param.gtp, param.align, param.coord);  // rejects bad coordinates and geometry now
   require(param.replicas >= 1 && param.replica_id >= 0 && param.replica_id < param.replicas, Errc::invalid_argument,
           param.describe(), ": replica ", param.replica_id, " of ", param.replicas);
   if (param.flat)
@@ -105,7 +105,7 @@ CheckedParam check_param(ShardedParam param) {
                 param.flat->end <= param.padded_shape().elements(),
             Errc::invalid_argument, param.describe(), ": flat range [", param.flat->begin, ", ", param.flat->end,
             ") is outside its shard of ", param.padded_shape().elements(), " elements");
-  return CheckedParam(std::move(param));
+  return CheckedParam(std::move(param), plan.real_rows);
 }
 
 void StateDict::add(ShardedParam param) { add(check_param(std::move(param))); }

@@ -125,11 +125,9 @@ extern "C" {
 int shardckpt_shard_rows(const shardckpt_param* param, int64_t* padded_rows, int64_t* real_rows) {
   if (param == nullptr) return null_argument("shardckpt_shard_rows", "param");
   return guarded([&] {
-    const shardckpt::CheckedParam checked = shardckpt::check_param(param_of(*param));
-    const shardckpt::ShardedParam& p = checked.param();
-    const shardckpt::RankPlan plan = shardckpt::plan_rank(p.spec, p.gtp, p.align, p.coord);
-    if (padded_rows) *padded_rows = plan.geometry.shard_rows();
-    if (real_rows) *real_rows = plan.real_rows;
+    const shardckpt::CheckedParam checked = shardckpt::check_param(param_of(*param));  // plans it once
+    if (padded_rows) *padded_rows = checked.param().geometry().shard_rows();
+    if (real_rows) *real_rows = checked.real_rows();
   });
 }
 

@@ -5,4 +5,4 @@
 import shardckpt;
 using namespace shardckpt;
 
-void f(StateDict& state, ShardedParam p) { state.add(CheckedParam(std::move(p))); }
+void f(StateDict& state, ShardedParam p) { state.add(CheckedParam(std::move(p), 0)); }
