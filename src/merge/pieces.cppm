@@ -129,11 +129,12 @@ class Arena {
   Arena& operator=(const Arena&) = delete;
   // Work an error left may still copy into or out of the buffers: the pool goes back (to its owner,
   // or to the library's pools for the next save or load) only once the engine is done with them.
+  // After a drain nothing is left to wait for.
   ~Arena() {
-    try {
-      engine().wait(engine().fence());
-    } catch (...) {  // the error that ended the transfer is the one its caller reports
-    }
+    if (!drained_) try {
+        engine().wait(engine().fence());
+      } catch (...) {  // the error that ended the transfer is the one its caller reports
+      }
   }
 
   CopyEngine& engine() const { return pool_->engine(); }
@@ -146,6 +147,7 @@ class Arena {
   MutTensorView take(TensorView like, std::int64_t rows, BeforeReuse&& before_reuse) {
     const std::size_t row = std::max<std::size_t>(like.row_bytes(), 1);
     (void)pool_->rows_per_buffer(like);  // a row larger than a buffer is an error
+    drained_ = false;
     if (aligned(used_) + row > pool_->buffer_bytes()) {
       fences_[static_cast<std::size_t>(current_)] = engine().fence();
       current_ = (current_ + 1) % pool_->buffers();
@@ -165,6 +167,7 @@ class Arena {
     if (used_ > 0) fences_[static_cast<std::size_t>(current_)] = engine().fence();
     for (int i = 1; i <= pool_->buffers(); ++i) retire((current_ + i) % pool_->buffers(), before_reuse);
     used_ = 0;
+    drained_ = true;
   }
 
  private:
@@ -182,6 +185,7 @@ class Arena {
   std::vector<std::optional<Fence>> fences_;
   int current_ = 0;
   std::size_t used_ = 0;
+  bool drained_ = true;  // no work enqueued since the last drain (or ever)
 };
 
 }  // namespace shardckpt
