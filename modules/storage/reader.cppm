@@ -52,6 +52,13 @@ struct MapPart {
   Box box;
 };
 
+// A tensor to map (CheckpointReader::map_all): its parts in order, its dtype and its shape.
+struct MapRequest {
+  std::span<const MapPart> parts;
+  DType dtype = DType::u8;
+  Extents shape;
+};
+
 // An open, complete checkpoint. Metadata and data come from one open file: a path replaced while
 // the reader is open does not change what it reads. Reads from many threads run in parallel on
 // the raw path (IoMethod::raw).
@@ -116,6 +123,12 @@ class CheckpointReader {
   // and all but the last fill whole pages; nothing otherwise.
   std::optional<SharedBuffer> map(std::span<const MapPart> parts, DType dtype, Extents shape,
                                   ReadOptions options = {}) const;
+  // Several tensors, each mapped as map() maps it (nothing for one that cannot be), their rows
+  // checked in one pass in file order: one thread brings the pages in (a read of one byte of each,
+  // so the kernel reads ahead as for any mapping) while a pool of threads checks the rows behind it,
+  // so the disk does not wait between tensors. The first mismatch in file order is the error;
+  // nothing is returned then. Unchecked tensors (options.verify off) are left to fault in as used.
+  std::vector<std::optional<SharedBuffer>> map_all(std::span<const MapRequest> requests, ReadOptions options = {}) const;
 
  private:
   std::unique_ptr<ReaderState> impl_;

@@ -359,16 +359,16 @@ std::optional<MapPart> part_of(const CheckpointReader& reader, const std::string
   return MapPart{d, box};
 }
 
-// A tensor the request asks for, mapped when it can be.
-std::optional<SharedBuffer> mapped(const CheckpointReader& reader, const ShardedTensor& t, const ReadOptions& read) {
+// The parts of a tensor the request asks for, when it can be mapped: one slab of whole rows.
+std::optional<std::vector<MapPart>> map_parts(const CheckpointReader& reader, const ShardedTensor& t) {
   const std::optional<MapPart> part = part_of(reader, t.key, t.dtype, t.global_shape, t.global_offset, t.count());
   if (!part) return std::nullopt;
-  return reader.map(std::span<const MapPart>(&*part, 1), t.dtype, t.shape, read);
+  return std::vector<MapPart>{*part};
 }
 
 // A parameter's shard is runs of rows of its datasets when its pieces, in order, fill it without
 // pad rows (a plain weight at TP 1, an unpadded shard, a fused weight's blocks at TP 1).
-std::optional<SharedBuffer> mapped(const CheckpointReader& reader, const ShardedParam& p, const ReadOptions& read) {
+std::optional<std::vector<MapPart>> map_parts(const CheckpointReader& reader, const ShardedParam& p) {
   if (p.flat) return std::nullopt;
   const RankPlan plan = plan_rank(p.spec, p.gtp, p.align, p.coord);
   if (plan.padding_only) return std::nullopt;
@@ -383,7 +383,7 @@ std::optional<SharedBuffer> mapped(const CheckpointReader& reader, const Sharded
     row += piece.rows;
   }
   if (row != p.shard_shape().rows()) return std::nullopt;
-  return reader.map(parts, p.dtype, p.shard_shape(), read);
+  return parts;
 }
 
 }  // namespace
@@ -416,27 +416,50 @@ Allocated map_or_allocate(const CheckpointReader& reader, const StateDict& reque
       (!options.expect_id.empty() && reader.contents().id != options.expect_id))
     return allocate_destinations(request);  // the load refuses the last two itself
   const ReadOptions read{options.method, options.verify_checksums, options.progress, options.bypass_page_cache};
-  std::map<std::string, SharedBuffer, std::less<>> maps;
-  StateDict rest;
+  // Every tensor that can be mapped, mapped in one batch (its pages brought in in file order by one
+  // thread, its rows checked behind it by others); the others read into memory of their own.
+  struct Candidate {
+    const ShardedTensor* tensor = nullptr;
+    const ShardedParam* param = nullptr;
+    std::vector<MapPart> parts;
+  };
+  std::vector<Candidate> candidates;
+  std::set<std::string, std::less<>> asked;
   for (const ShardedTensor& t : request.tensors()) {
-    std::optional<SharedBuffer> b;
-    if ((shared_too || t.replicas <= 1) && !maps.contains(t.key)) b = mapped(reader, t, read);
-    if (!b) {
-      rest.add(ShardedTensor(t));
-      continue;
-    }
-    count_whole(t);
-    maps.emplace(t.key, std::move(*b));
+    std::optional<std::vector<MapPart>> parts;
+    if ((shared_too || t.replicas <= 1) && !asked.contains(t.key)) parts = map_parts(reader, t);
+    if (parts) asked.insert(t.key);
+    candidates.push_back({&t, nullptr, parts ? std::move(*parts) : std::vector<MapPart>{}});
   }
   for (const ShardedParam& p : request.params()) {
-    std::optional<SharedBuffer> b;
-    if (shared_too || p.replicas <= 1) b = mapped(reader, p, read);
-    if (!b) {
-      rest.add(ShardedParam(p));
-      continue;
+    std::optional<std::vector<MapPart>> parts;
+    if (shared_too || p.replicas <= 1) parts = map_parts(reader, p);
+    candidates.push_back({nullptr, &p, parts ? std::move(*parts) : std::vector<MapPart>{}});
+  }
+  std::vector<MapRequest> batch;
+  for (const Candidate& c : candidates)
+    batch.push_back(c.tensor ? MapRequest{c.parts, c.tensor->dtype, c.tensor->shape}
+                             : MapRequest{c.parts, c.param->dtype, c.param->shard_shape()});
+  std::vector<std::optional<SharedBuffer>> mapped = reader.map_all(batch, read);
+  std::map<std::string, SharedBuffer, std::less<>> maps;
+  StateDict rest;
+  for (std::size_t i = 0; i < candidates.size(); ++i) {
+    const Candidate& c = candidates[i];
+    if (c.tensor) {
+      if (!mapped[i]) {
+        rest.add(ShardedTensor(*c.tensor));
+        continue;
+      }
+      count_whole(*c.tensor);
+      maps.emplace(c.tensor->key, std::move(*mapped[i]));
+    } else {
+      if (!mapped[i]) {
+        rest.add(ShardedParam(*c.param));
+        continue;
+      }
+      count_whole(*c.param);
+      maps.emplace(c.param->spec.key, std::move(*mapped[i]));
     }
-    count_whole(p);
-    maps.emplace(p.spec.key, std::move(*b));
   }
   for (const auto& [key, value] : request.local()) rest.add_local(key, value);
   Allocated out = allocate_destinations(rest);

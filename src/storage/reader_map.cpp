@@ -106,14 +106,6 @@ class JoinedRuns final : public Allocation {
   std::size_t reserved_;
 };
 
-// The kernel may read ahead what the checks are about to touch (best effort).
-void advise_pages(const std::byte* p, std::size_t bytes) {
-  const auto page = static_cast<std::uintptr_t>(page_bytes());
-  const auto begin = reinterpret_cast<std::uintptr_t>(p) / page * page;
-  const auto end = reinterpret_cast<std::uintptr_t>(p) + bytes;
-  (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_WILLNEED);
-}
-
 // A part of a mapped tensor, located in the file.
 struct Located {
   const Dataset* d = nullptr;
@@ -186,40 +178,106 @@ void verify_rows(const ReaderState& m, const Located& p, const std::byte* rows, 
           " does not cover ", rows_text(box, whole_box(d.shape)));
 }
 
-// The rows of `p` checked as verify_rows does, on up to one thread per core (8 at most): hashing
-// every byte is the one CPU cost of a mapped read. The threads take runs of 1 MiB of rows in file
-// order, so that on a cold file they all follow the pages as the disk brings them, and no run is left
-// to check after the last page came. The first mismatch in row order is the one reported;
+// A run of about 1 MiB of one part's rows: the unit the threads that check a batch of mapped
+// tensors take, in file order.
+struct CheckRun {
+  const Located* part = nullptr;
+  const PartChecksums* sums = nullptr;
+  const std::byte* part_rows = nullptr;  // the part's first row in memory
+  Range rows;                            // the run's rows of the dataset
+  std::size_t ahead = 0;                 // bytes of the batch's parts in file order before the run ends
+};
+
+// A thread that reads one byte of every page of a batch's parts in file order, as far ahead as the
+// disk allows, while the threads that check the rows follow it (Pager::wait_until). Its faults take
+// the kernel's own readahead for a mapping, which reads large folios in a pipeline: on this
+// project's machines twice as fast as asking for the same pages with MADV_WILLNEED, which reads
+// 4 KiB pages and blocks while it submits them. The checking threads then find every page in
+// memory and mapped. Without a thread to be had, each checking thread faults in its own pages.
+class Pager {
+ public:
+  struct Span {
+    const std::byte* at;
+    std::size_t bytes;
+  };
+  explicit Pager(std::vector<Span> spans) : spans_(std::move(spans)) {
+    try {
+      thread_ = std::jthread([this](std::stop_token stop) { walk(stop); });
+    } catch (const std::system_error&) {
+      done_.store(SIZE_MAX);
+    }
+  }
+  Pager(const Pager&) = delete;
+  Pager& operator=(const Pager&) = delete;
+
+  // Blocks until the pages of the first `position` bytes of the spans are in memory.
+  void wait_until(std::size_t position) const {
+    for (std::size_t now = done_.load(std::memory_order_acquire); now < position; now = done_.load(std::memory_order_acquire))
+      done_.wait(now, std::memory_order_acquire);
+  }
+
+ private:
+  static constexpr std::size_t step = std::size_t{1} << 20;  // told to the checking threads
+
+  void walk(const std::stop_token& stop) {
+    const std::size_t page = page_bytes();
+    std::size_t position = 0;
+    for (const Span& s : spans_) {
+      for (std::size_t at = 0; at < s.bytes && !stop.stop_requested(); at += step) {
+        const std::size_t n = std::min(step, s.bytes - at);
+        // One byte of each page the step touches: its first byte, then each page boundary in it.
+        const auto begin = reinterpret_cast<std::uintptr_t>(s.at + at), end = begin + n;
+        unsigned touched = *reinterpret_cast<const volatile unsigned char*>(begin);
+        for (std::uintptr_t q = (begin / page + 1) * page; q < end; q += page)
+          touched += *reinterpret_cast<const volatile unsigned char*>(q);
+        sink_ += touched;
+        position += n;
+        done_.store(position, std::memory_order_release);
+        done_.notify_all();
+      }
+    }
+    done_.store(SIZE_MAX, std::memory_order_release);
+    done_.notify_all();
+  }
+
+  std::vector<Span> spans_;
+  mutable std::atomic<std::size_t> done_{0};
+  unsigned sink_ = 0;  // what the touches read, so that they are not left out
+  std::jthread thread_;  // last: asked to stop and joined first, before the members it reads go
+};
+
+// The runs of every checked part, checked as verify_rows checks them, on up to one thread per core
+// (8 at most): hashing every byte is the one CPU cost of a mapped read. The threads take the runs in
+// file order, so that on a cold file they all follow the pages as the disk brings them, and no run
+// is left to check after the last page came. The first mismatch in file order is the one reported;
 // `options.progress` is called by one thread at a time.
-void verify_part(const ReaderState& m, const Located& p, const std::byte* rows, const PartChecksums& sums,
-                 const ReadOptions& options) {
-  constexpr std::int64_t run_bytes = std::int64_t{1} << 20;
-  const std::int64_t n = p.box.rows.size(), row_bytes = p.box.cols.size() * element_bytes(p.d->dtype);
-  const std::int64_t step = batch_rows(row_bytes, run_bytes);  // rows per run
-  const std::int64_t runs = (n + step - 1) / step;
+void check_runs(const ReaderState& m, std::span<const CheckRun> runs, const Pager& pager, const ReadOptions& options) {
+  const auto count = static_cast<std::int64_t>(runs.size());
   static const std::int64_t cores = std::max(1u, std::thread::hardware_concurrency());  // asked once
-  const std::int64_t threads = std::min<std::int64_t>({cores, 8, runs / 4});
-  if (threads <= 1) return verify_rows(m, p, rows, sums, options);
+  const std::int64_t threads = std::min<std::int64_t>({cores, 8, count / 4});
   std::mutex lock;  // progress, and the first failure
   ReadOptions each = options;
-  if (options.progress)
+  if (options.progress && threads > 1)
     each.progress = [&](std::int64_t bytes) {
       const std::lock_guard hold(lock);
       options.progress(bytes);
     };
   std::atomic<std::int64_t> next{0};
-  std::int64_t failed_run = runs;
+  std::int64_t failed_run = count;
   std::exception_ptr failure;
   const auto work = [&] {
-    for (std::int64_t r = next++; r < runs; r = next++) {
+    for (std::int64_t r = next++; r < count; r = next++) {
+      const CheckRun& run = runs[static_cast<std::size_t>(r)];
       try {
-        Located sub = p;
-        sub.box.rows = {p.box.rows.begin + r * step, std::min(p.box.rows.begin + (r + 1) * step, p.box.rows.end)};
-        verify_rows(m, sub, rows + r * step * row_bytes, sums, each);
+        pager.wait_until(run.ahead);
+        Located sub = *run.part;
+        sub.box.rows = run.rows;
+        const std::int64_t row_bytes = sub.box.cols.size() * element_bytes(sub.d->dtype);
+        verify_rows(m, sub, run.part_rows + (run.rows.begin - run.part->box.rows.begin) * row_bytes, *run.sums, each);
       } catch (...) {
         const std::lock_guard hold(lock);
         if (r < failed_run) failed_run = r, failure = std::current_exception();
-        next = runs;  // the others stop at their next run
+        next = count;  // the others stop at their next run
       }
     }
   };
@@ -280,50 +338,115 @@ std::optional<Mapping> locate_and_map(const ReaderState& m, std::vector<Located>
   return out;
 }
 
+// A tensor of a batch, its parts found and mapped, not yet checked.
+struct Prepared {
+  std::vector<Located> located;
+  Mapping mapping;
+  std::byte* rows = nullptr;  // its first byte in memory
+  std::size_t bytes = 0;
+  std::vector<std::size_t> offsets;  // of each part in the tensor
+  std::vector<PartChecksums> sums;   // of each part (empty where unchecked)
+};
+
+std::optional<Prepared> prepare(const ReaderState& m, const MapRequest& request, const ReadOptions& options) {
+  const std::int64_t es = element_bytes(request.dtype);
+  Prepared out;
+  for (const MapPart& part : request.parts) {
+    require(part.dataset != nullptr && part.dataset->dtype == request.dtype, Errc::invalid_argument, m.path.string(),
+            ": a mapped tensor's parts must be datasets of its dtype ", dtype_name(request.dtype));
+    const auto bytes = static_cast<std::size_t>(box_elements(part.box) * es);
+    check_box(*part.dataset, part.box, request.dtype, bytes, m.path);
+    if (part.box.empty()) return std::nullopt;
+    out.offsets.push_back(out.bytes);
+    out.located.push_back({part.dataset, part.box, 0, bytes, nullptr});
+    out.bytes += bytes;
+  }
+  const auto want = static_cast<std::size_t>(request.shape.elements()) * dtype_size(request.dtype);
+  require(out.bytes == want, Errc::invalid_argument, m.path.string(), ": the parts of a mapped tensor hold ", out.bytes,
+          " bytes, its shape ", dims_text(request.shape.dims()), " holds ", want);
+  std::optional<Mapping> mapped = locate_and_map(m, out.located, es, options);
+  if (!mapped) return std::nullopt;
+  out.mapping = std::move(*mapped);
+  // regions_for checked each region against the file's size at the open, which the mapping matches.
+  out.rows = out.mapping.whole ? out.mapping.whole->base + out.located.front().at : out.mapping.joined->data();
+  return out;
+}
+
 }  // namespace
+
+std::vector<std::optional<SharedBuffer>> CheckpointReader::map_all(std::span<const MapRequest> requests,
+                                                                   ReadOptions options) const {
+  const ReaderState& m = *impl_;
+  std::vector<std::optional<Prepared>> prepared(requests.size());
+  if (options.method == IoMethod::raw && !options.bypass_page_cache)
+    for (std::size_t i = 0; i < requests.size(); ++i)
+      if (!requests[i].parts.empty()) prepared[i] = prepare(m, requests[i], options);
+  // Every part of the batch in file order, whatever the order of the tensors and of the parts in a
+  // tensor (a fused weight's blocks follow its rows, the file their keys): the kernel's readahead
+  // then sees one sequential stream.
+  struct Ref {
+    Prepared* t;
+    std::size_t part;
+  };
+  std::vector<Ref> order;
+  for (std::optional<Prepared>& t : prepared)
+    if (t)
+      for (std::size_t i = 0; i < t->located.size(); ++i) order.push_back({&*t, i});
+  std::sort(order.begin(), order.end(), [](const Ref& a, const Ref& b) {
+    const std::uint64_t x = a.t->located[a.part].at, y = b.t->located[b.part].at;
+    if (x != y) return x < y;
+    return std::less<>{}(a.t, b.t) || (a.t == b.t && a.part < b.part);  // the same bytes twice: request order
+  });
+  // The checksums, read in one go each before any page is asked for: a read of a cold checksum table
+  // queued behind megabytes of readahead waits for all of it.
+  for (std::optional<Prepared>& t : prepared)
+    if (t) t->sums.resize(t->located.size());
+  for (const Ref& r : order)
+    if (r.t->located[r.part].slabs) r.t->sums[r.part] = read_part_checksums(m, r.t->located[r.part]);
+  std::vector<Pager::Span> spans;
+  std::vector<CheckRun> runs;
+  std::size_t position = 0;
+  constexpr std::int64_t run_bytes = std::int64_t{1} << 20;
+  for (const Ref& r : order) {
+    const Located& p = r.t->located[r.part];
+    const std::byte* rows = r.t->rows + r.t->offsets[r.part];
+    spans.push_back({rows, p.bytes});
+    if (!p.slabs) {
+      position += p.bytes;
+      continue;
+    }
+    const std::int64_t row_bytes = p.box.cols.size() * element_bytes(p.d->dtype);
+    const std::int64_t step = batch_rows(row_bytes, run_bytes);  // rows per run
+    for (std::int64_t row = p.box.rows.begin; row < p.box.rows.end; row += step) {
+      const Range rows_of_run{row, std::min(row + step, p.box.rows.end)};
+      position += static_cast<std::size_t>(rows_of_run.size() * row_bytes);
+      runs.push_back({&p, &r.t->sums[r.part], rows, rows_of_run, position});
+    }
+  }
+  if (!runs.empty()) {
+    const Pager pager(std::move(spans));
+    check_runs(m, runs, pager, options);
+  }
+  std::vector<std::optional<SharedBuffer>> out(requests.size());
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    if (!prepared[i]) continue;
+    Prepared& t = *prepared[i];
+    if (options.progress)
+      for (const Located& p : t.located)
+        if (!p.slabs) options.progress(static_cast<std::int64_t>(p.bytes));
+    if (t.mapping.whole)
+      out[i] = SharedBuffer(std::make_shared<MappedRows>(std::move(t.mapping.whole), t.rows, t.bytes), requests[i].dtype,
+                            requests[i].shape);
+    else
+      out[i] = SharedBuffer(std::shared_ptr<Allocation>(std::move(t.mapping.joined)), requests[i].dtype, requests[i].shape);
+  }
+  return out;
+}
 
 std::optional<SharedBuffer> CheckpointReader::map(std::span<const MapPart> parts, DType dtype, Extents shape,
                                                   ReadOptions options) const {
-  const ReaderState& m = *impl_;
-  if (options.method != IoMethod::raw || options.bypass_page_cache || parts.empty()) return std::nullopt;
-  const std::int64_t es = element_bytes(dtype);
-  std::vector<Located> located;
-  std::size_t total = 0;
-  for (const MapPart& part : parts) {
-    require(part.dataset != nullptr && part.dataset->dtype == dtype, Errc::invalid_argument, m.path.string(),
-            ": a mapped tensor's parts must be datasets of its dtype ", dtype_name(dtype));
-    const auto bytes = static_cast<std::size_t>(box_elements(part.box) * es);
-    check_box(*part.dataset, part.box, dtype, bytes, m.path);
-    if (part.box.empty()) return std::nullopt;
-    located.push_back({part.dataset, part.box, 0, bytes, nullptr});
-    total += bytes;
-  }
-  require(total == static_cast<std::size_t>(shape.elements()) * dtype_size(dtype), Errc::invalid_argument,
-          m.path.string(), ": the parts of a mapped tensor hold ", total, " bytes, its shape ", dims_text(shape.dims()),
-          " holds ", static_cast<std::size_t>(shape.elements()) * dtype_size(dtype));
-  std::optional<Mapping> mapped = locate_and_map(m, located, es, options);
-  if (!mapped) return std::nullopt;
-  std::shared_ptr<FileMapping>& whole = mapped->whole;
-  // regions_for checked each region against the file's size at the open, which the mapping matches.
-  std::byte* rows = whole ? whole->base + located.front().at : mapped->joined->data();
-  // Checked in file order, whatever the order of the parts in the tensor (a fused weight's blocks
-  // follow its rows, the file their keys): the kernel's readahead then sees one sequential stream.
-  std::vector<std::size_t> offsets, order;
-  for (std::size_t i = 0, at = 0; i < located.size(); at += located[i].bytes, ++i) offsets.push_back(at), order.push_back(i);
-  std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return located[a].at < located[b].at; });
-  std::vector<PartChecksums> sums(located.size());
-  for (const std::size_t i : order)
-    if (located[i].slabs) sums[i] = read_part_checksums(m, located[i]);
-  advise_pages(rows, total);
-  for (const std::size_t i : order) {
-    const Located& p = located[i];
-    if (p.slabs)
-      verify_part(m, p, rows + offsets[i], sums[i], options);
-    else if (options.progress)
-      options.progress(static_cast<std::int64_t>(p.bytes));
-  }
-  if (whole) return SharedBuffer(std::make_shared<MappedRows>(std::move(whole), rows, total), dtype, shape);
-  return SharedBuffer(std::shared_ptr<Allocation>(std::move(mapped->joined)), dtype, shape);
+  const MapRequest request{parts, dtype, std::move(shape)};
+  return std::move(map_all(std::span<const MapRequest>(&request, 1), options).front());
 }
 
 std::optional<SharedBuffer> CheckpointReader::map(const Dataset& d, const Box& box, Extents shape,

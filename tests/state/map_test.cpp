@@ -1,6 +1,9 @@
 // Tests for loads into new memory over the checkpoint file (LoadOptions::map, CheckpointReader::map):
 // what is mapped and what is not, that a mapped tensor is private (writes never reach the file) and
 // outlives the reader and a save that replaces the file, and that every mapped row is checked.
+#include <algorithm>
+#include <array>
+#include <cstring>
 #include <fstream>
 #include <optional>
 #include <set>
@@ -318,4 +321,76 @@ TEST(MappedLoad, ThreadsOfOneReaderShareWhatItLooksUpOnce) {
     if (t % 2 == 0) bases.insert(mapping_base(w.view().data(), dir / "a.h5"));
   }
   EXPECT_EQ(bases.size(), 1u) << "one reader mapped the file " << bases.size() << " times";
+}
+
+// Several tensors mapped in one batch (CheckpointReader::map_all) are what map() gives for each, in
+// the order asked whatever the order of the file; a request that cannot be mapped gets nothing and
+// leaves the others mapped; the progress told adds up to the bytes checked; and of two changed rows
+// in two tensors the one first in the file is named, though its tensor was asked for after the other.
+TEST(MappedLoad, ABatchOfTensorsIsCheckedInOnePassAndTheFirstChangeInTheFileIsNamed) {
+  ScratchDir dir;
+  constexpr std::int64_t n = 512, width = 1024;  // 2 MiB each: two runs of 1 MiB
+  const std::vector<std::string> keys{"a", "b", "c", "d"};
+  const auto at = [](std::size_t t, std::int64_t r, std::int64_t c) {
+    return static_cast<float>(t) * 1e6f + static_cast<float>(r) * 1024.0f + static_cast<float>(c);
+  };
+  {
+    StateDict s;
+    for (std::size_t t = 0; t < keys.size(); ++t) {
+      SharedBuffer w = SharedBuffer::uninitialized(DType::f32, {n, width});
+      auto x = w.mut_view().as<float>();
+      for (std::int64_t r = 0; r < n; ++r)
+        for (std::int64_t c = 0; c < width; ++c) x[static_cast<std::size_t>(r * width + c)] = at(t, r, c);
+      s.add(ShardedTensor::of(keys[t], w, {n, width}, {0, 0}));
+    }
+    run_ranks(1, [&](ProcessGroup& g) { save(s, dir / "a.h5", g); });
+  }
+  const Box whole{{0, n}, {0, width}};
+  const std::vector<std::size_t> asked{3, 1, 0, 2};  // not the order of the file
+  const auto batch = [&](const CheckpointReader& reader, std::vector<std::array<MapPart, 1>>& parts) {
+    std::vector<MapRequest> requests;
+    for (const std::size_t t : asked) parts.push_back({MapPart{&reader.dataset(keys[t]), whole}});
+    for (const auto& p : parts) requests.push_back({p, DType::f32, Extents{n, width}});
+    requests.push_back({});  // no parts: nothing to map
+    return requests;
+  };
+  {
+    const CheckpointReader reader(dir / "a.h5");
+    std::vector<std::array<MapPart, 1>> parts;
+    const std::vector<MapRequest> requests = batch(reader, parts);
+    std::int64_t told = 0;
+    const std::vector<std::optional<SharedBuffer>> got =
+        reader.map_all(requests, {.progress = [&](std::int64_t b) { told += b; }});
+    ASSERT_EQ(got.size(), requests.size());
+    EXPECT_FALSE(got.back().has_value());
+    EXPECT_EQ(told, static_cast<std::int64_t>(keys.size()) * n * width * 4);
+    for (std::size_t i = 0; i < asked.size(); ++i) {
+      ASSERT_TRUE(got[i].has_value()) << keys[asked[i]];
+      EXPECT_TRUE(mapped_from(*got[i], dir / "a.h5")) << keys[asked[i]];
+      const std::optional<SharedBuffer> one = reader.map(reader.dataset(keys[asked[i]]), whole, Extents{n, width});
+      ASSERT_TRUE(one.has_value());
+      ASSERT_EQ(std::memcmp(one->view().data(), got[i]->view().data(), got[i]->bytes()), 0) << keys[asked[i]];
+      EXPECT_EQ(got[i]->view().as<float>()[300 * width + 9], at(asked[i], 300, 9)) << keys[asked[i]];
+    }
+  }
+  // A change at the end of the tensor first in the file and one at the start of the tensor last in
+  // the file: the first in the file is named, though the tensor holding it was asked for after the other.
+  std::string bytes = file_bytes(dir / "a.h5");
+  std::vector<std::size_t> where;
+  for (std::size_t t = 0; t < keys.size(); ++t) where.push_back(offset_of(bytes, at(t, 0, 5)));
+  for (const std::size_t w : where) ASSERT_NE(w, std::string::npos);
+  const auto first = static_cast<std::size_t>(std::min_element(where.begin(), where.end()) - where.begin());
+  const auto last = static_cast<std::size_t>(std::max_element(where.begin(), where.end()) - where.begin());
+  ASSERT_NE(first, last);
+  const std::size_t early = offset_of(bytes, at(first, n - 1, 5)), late = offset_of(bytes, at(last, 0, 5));
+  ASSERT_LT(early, late);
+  bytes[early + 1] ^= 0x10;
+  bytes[late + 1] ^= 0x10;
+  std::ofstream(dir / "a.h5", std::ios::binary | std::ios::trunc) << bytes;
+  const CheckpointReader reader(dir / "a.h5");
+  std::vector<std::array<MapPart, 1>> parts;
+  const std::vector<MapRequest> requests = batch(reader, parts);
+  const Error e = error_of([&] { (void)reader.map_all(requests); });
+  EXPECT_EQ(e.code(), Errc::corrupt) << e.what();
+  EXPECT_TRUE(testing_support::contains(e.what(), "key " + keys[first] + ", rows [511, 512)")) << e.what();
 }
