@@ -114,9 +114,11 @@ class CheckpointReader {
   // rows lie in memory (a chunked, filtered or external dataset, elements not aligned, the
   // hyperslab method, a read around the page cache): read() them into memory instead. The mapping
   // lives as long as the last tensor over it, past the reader. Errc::replaced when the file's size
-  // changed since the open. A file truncated by someone else while a tensor is over it makes access
-  // to the lost pages fail with SIGBUS, as for any mapping; one written in place changes what the
-  // tensor shows where it was not written (the library's saves replace a file, never rewrite it).
+  // changed since the open, or when it was cut short under the reader's mapping before its rows
+  // were checked (their pages are brought in first). A file truncated by someone else while a
+  // tensor is over it makes access to the lost pages fail with SIGBUS, as for any mapping; one
+  // written in place changes what the tensor shows where it was not written (the library's saves
+  // replace a file, never rewrite it).
   std::optional<SharedBuffer> map(const Dataset& dataset, const Box& box, Extents shape, ReadOptions options = {}) const;
   // The same for a tensor joined from parts in order (a fused weight's blocks, each whole rows of
   // its own dataset of `dtype`): mapped one after another where each starts on a page of the file

@@ -1,6 +1,8 @@
 // Tests for loads into new memory over the checkpoint file (LoadOptions::map, CheckpointReader::map):
 // what is mapped and what is not, that a mapped tensor is private (writes never reach the file) and
 // outlives the reader and a save that replaces the file, and that every mapped row is checked.
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <array>
 #include <cstring>
@@ -14,6 +16,16 @@
 #include "support.hpp"
 
 namespace {
+
+// Whether this kernel has MADV_POPULATE_READ (Linux 5.14): asked of one page of anonymous memory.
+bool populate_read_supported() {
+  const long page = ::sysconf(_SC_PAGESIZE);
+  void* p = ::mmap(nullptr, static_cast<std::size_t>(page), PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return false;
+  const bool ok = ::madvise(p, static_cast<std::size_t>(page), MADV_POPULATE_READ) == 0;
+  ::munmap(p, static_cast<std::size_t>(page));
+  return ok;
+}
 
 // Whether [p, p + bytes) lies inside mappings of `file` in this process (/proc/self/maps), one
 // mapping or several side by side (a tensor joined from runs of the file).
@@ -247,6 +259,27 @@ TEST(MappedLoad, AFileCutShortIsRefusedNotMapped) {
   std::filesystem::resize_file(dir / "a.h5", at);
   const Error e = error_of([&] { (void)load(dir / "a.h5", request_of(0, rows), {.notice = [](std::string_view) {}}); });
   EXPECT_EQ(e.code(), Errc::not_a_checkpoint) << e.what();
+}
+
+// A file cut short by another program after the reader mapped it: a later load over that mapping
+// is refused naming the file where a read of the lost pages would have raised SIGBUS, because the
+// pages are brought in before any row is checked (MADV_POPULATE_READ reports the lost page).
+TEST(MappedLoad, AFileCutShortUnderTheMappingIsRefusedNotASigbus) {
+  if (!populate_read_supported()) GTEST_SKIP() << "MADV_POPULATE_READ needs Linux 5.14 or later";
+  ScratchDir dir;
+  save_tensors(dir / "a.h5", 0.5f);
+  const CheckpointReader reader(dir / "a.h5");
+  {
+    const LoadedState first = load(reader, request_of(0, 64));  // maps the file
+    ASSERT_TRUE(mapped_from(first.tensor("w"), dir / "a.h5"));
+  }
+  const std::string bytes = file_bytes(dir / "a.h5");
+  const std::size_t at = offset_of(bytes, value(200, 3, 0.5f));
+  ASSERT_NE(at, std::string::npos);
+  std::filesystem::resize_file(dir / "a.h5", at / 4096 * 4096);  // rows 200 on lie in no page of it
+  const Error e = error_of([&] { (void)load(reader, request_of(0, rows)); });
+  EXPECT_EQ(e.code(), Errc::replaced) << e.what();
+  EXPECT_TRUE(testing_support::contains(e.what(), "changed under its mapping")) << e.what();
 }
 
 // A tensor of many megabytes is checked on several threads (runs of 1 MiB of rows in file order):
