@@ -116,8 +116,8 @@ struct Located {
 };
 
 // The checksums of a part's rows, one run per slab it meets (slabs from `first_slab` on, in order),
-// each read in one go before the part's pages are asked for: a read of a cold checksum table queued
-// behind megabytes of readahead waits for all of it.
+// read before the part's pages are asked for: a read of a cold checksum table queued behind
+// megabytes of readahead waits for all of it.
 struct PartChecksums {
   std::size_t first_slab = 0;
   Range rows;  // the part's rows
@@ -130,17 +130,61 @@ std::size_t first_slab(const Located& p) {
   return static_cast<std::size_t>(std::upper_bound(reach.begin(), reach.end(), p.box.rows.begin) - reach.begin());
 }
 
-PartChecksums read_part_checksums(const ReaderState& m, const Located& p) {
-  PartChecksums out{first_slab(p), p.box.rows, {}};
+// Calls f(first, n) for the run of checksums of each slab `p` may meet (n = 0 where it misses it).
+template <class F>
+void for_each_checksum_run(const Located& p, F&& f) {
   const std::vector<Slab>& slabs = p.slabs->slabs;
-  for (std::size_t i = out.first_slab; i < slabs.size() && slabs[i].box.rows.begin < p.box.rows.end; ++i) {
+  for (std::size_t i = first_slab(p); i < slabs.size() && slabs[i].box.rows.begin < p.box.rows.end; ++i) {
     const Slab& s = slabs[i];
     const Box sub = s.box.intersect(p.box);
-    std::vector<std::uint64_t>& sums = out.by_slab.emplace_back();
-    if (sub.empty()) continue;
-    sums.resize(static_cast<std::size_t>(sub.rows.size()));
-    m.read_checksums(s.first_checksum + (sub.rows.begin - s.box.rows.begin), sub.rows.size(), sums.data());
+    if (sub.empty())
+      f(std::int64_t{0}, std::int64_t{0});
+    else
+      f(s.first_checksum + (sub.rows.begin - s.box.rows.begin), sub.rows.size());
   }
+}
+
+// The checksums a batch needs, read in one go where they lie in one stretch of the checksum table
+// (a contiguous dataset) not much longer than what is needed (a whole read at TP 1: one read of a
+// megabyte or two instead of a few dozen small ones, each a wait on a cold disk); each run read on
+// its own otherwise.
+class ChecksumSource {
+ public:
+  ChecksumSource(const ReaderState& m, std::span<const Located* const> parts) : m_(m) {
+    if (!m.checksums_address) return;
+    std::int64_t lo = INT64_MAX, hi = 0, needed = 0;
+    for (const Located* p : parts)
+      for_each_checksum_run(*p, [&](std::int64_t first, std::int64_t n) {
+        if (n == 0) return;
+        lo = std::min(lo, first), hi = std::max(hi, first + n), needed += n;
+      });
+    constexpr std::int64_t slack = std::int64_t{64} << 10, most = std::int64_t{8} << 20;  // checksums
+    if (needed == 0 || hi - lo > 2 * needed + slack || hi - lo > most) return;
+    block_.resize(static_cast<std::size_t>(hi - lo));
+    m.read_checksums(lo, hi - lo, block_.data());
+    first_ = lo;
+  }
+
+  void read(std::int64_t first, std::int64_t n, std::uint64_t* out) const {
+    const auto held = static_cast<std::int64_t>(block_.size());
+    if (first >= first_ && first + n <= first_ + held)
+      std::copy_n(block_.begin() + (first - first_), n, out);
+    else
+      m_.read_checksums(first, n, out);
+  }
+
+ private:
+  const ReaderState& m_;
+  std::vector<std::uint64_t> block_;
+  std::int64_t first_ = 0;  // the checksum block_[0] is
+};
+
+PartChecksums read_part_checksums(const ChecksumSource& source, const Located& p) {
+  PartChecksums out{first_slab(p), p.box.rows, {}};
+  for_each_checksum_run(p, [&](std::int64_t first, std::int64_t n) {
+    std::vector<std::uint64_t>& sums = out.by_slab.emplace_back(static_cast<std::size_t>(n));
+    source.read(first, n, sums.data());
+  });
   return out;
 }
 
@@ -428,12 +472,16 @@ std::vector<std::optional<SharedBuffer>> CheckpointReader::map_all(std::span<con
     if (x != y) return x < y;
     return std::less<>{}(a.t, b.t) || (a.t == b.t && a.part < b.part);  // the same bytes twice: request order
   });
-  // The checksums, read in one go each before any page is asked for: a read of a cold checksum table
-  // queued behind megabytes of readahead waits for all of it.
+  // The checksums, read before any page is asked for (ChecksumSource: in one go where they lie
+  // together): a read of a cold checksum table queued behind megabytes of readahead waits for all of it.
   for (std::optional<Prepared>& t : prepared)
     if (t) t->sums.resize(t->located.size());
+  std::vector<const Located*> checked;
   for (const Ref& r : order)
-    if (r.t->located[r.part].slabs) r.t->sums[r.part] = read_part_checksums(m, r.t->located[r.part]);
+    if (r.t->located[r.part].slabs) checked.push_back(&r.t->located[r.part]);
+  const ChecksumSource source(m, checked);
+  for (const Ref& r : order)
+    if (r.t->located[r.part].slabs) r.t->sums[r.part] = read_part_checksums(source, r.t->located[r.part]);
   std::vector<Pager::Span> spans;
   std::vector<CheckRun> runs;
   std::size_t position = 0;

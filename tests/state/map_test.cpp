@@ -427,3 +427,46 @@ TEST(MappedLoad, ABatchOfTensorsIsCheckedInOnePassAndTheFirstChangeInTheFileIsNa
   EXPECT_EQ(e.code(), Errc::corrupt) << e.what();
   EXPECT_TRUE(testing_support::contains(e.what(), "key " + keys[first] + ", rows [511, 512)")) << e.what();
 }
+
+// The checksums of a batch are read in one go where they lie together in the checksum table, and run
+// by run where they lie far apart (a few rows of a long tensor and a short tensor saved after it):
+// both ways every row is checked against its own checksum, and a changed row is named.
+TEST(MappedLoad, ChecksumsFarApartInTheTableAreReadRunByRun) {
+  ScratchDir dir;
+  constexpr std::int64_t long_rows = 150000, short_rows = 16;  // 150,000 checksums lie between them
+  {
+    SharedBuffer a = SharedBuffer::uninitialized(DType::f32, {long_rows, 1});
+    auto x = a.mut_view().as<float>();
+    for (std::int64_t r = 0; r < long_rows; ++r) x[static_cast<std::size_t>(r)] = static_cast<float>(r) + 0.25f;
+    SharedBuffer b = SharedBuffer::uninitialized(DType::f32, {short_rows, 1});
+    auto y = b.mut_view().as<float>();
+    for (std::int64_t r = 0; r < short_rows; ++r) y[static_cast<std::size_t>(r)] = -1000.5f - static_cast<float>(r);
+    StateDict s;
+    s.add(ShardedTensor::of("a", a, {long_rows, 1}, {0, 0}));
+    s.add(ShardedTensor::of("b", b, {short_rows, 1}, {0, 0}));
+    run_ranks(1, [&](ProcessGroup& g) { save(s, dir / "a.h5", g); });
+  }
+  const auto request = [&](std::int64_t first) {
+    StateDict r;
+    r.add(ShardedTensor::expect("a", DType::f32, {short_rows, 1}, {long_rows, 1}, {first, 0}));
+    r.add(ShardedTensor::expect("b", DType::f32, {short_rows, 1}, {short_rows, 1}, {0, 0}));
+    return r;
+  };
+  for (const std::int64_t first : {std::int64_t{0}, long_rows - short_rows}) {  // far from b's, and next to them
+    const LoadedState s = load(dir / "a.h5", request(first));
+    ASSERT_TRUE(mapped_from(s.tensor("a"), dir / "a.h5"));
+    ASSERT_TRUE(mapped_from(s.tensor("b"), dir / "a.h5"));
+    EXPECT_EQ(s.tensor("a").view().as<float>()[5], static_cast<float>(first + 5) + 0.25f);
+    EXPECT_EQ(s.tensor("b").view().as<float>()[7], -1007.5f);
+  }
+  std::string bytes = file_bytes(dir / "a.h5");
+  const std::size_t at = offset_of(bytes, -1003.5f);  // b's row 3
+  ASSERT_NE(at, std::string::npos);
+  bytes[at + 1] ^= 0x10;
+  std::ofstream(dir / "a.h5", std::ios::binary | std::ios::trunc) << bytes;
+  for (const std::int64_t first : {std::int64_t{0}, long_rows - short_rows}) {
+    const Error e = error_of([&] { (void)load(dir / "a.h5", request(first)); });
+    EXPECT_EQ(e.code(), Errc::corrupt) << e.what();
+    EXPECT_TRUE(testing_support::contains(e.what(), "key b, rows [3, 4)")) << e.what();
+  }
+}
