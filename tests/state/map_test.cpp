@@ -470,3 +470,69 @@ TEST(MappedLoad, ChecksumsFarApartInTheTableAreReadRunByRun) {
     EXPECT_TRUE(testing_support::contains(e.what(), "key b, rows [3, 4)")) << e.what();
   }
 }
+
+// A batch of 512 MiB or more is brought in by two streams taking turns at chunks of 16 MiB: every
+// row is right and checked, the progress adds up, and of changed rows in chunks of both streams the
+// first in the file is named (the one in the second stream's chunk, though the first stream's
+// change comes later in its own walk).
+TEST(MappedLoad, ALargeBatchIsBroughtInByTwoStreamsAndEveryRowChecked) {
+  ScratchDir dir;
+  constexpr std::int64_t width = 4096, n = 33280;  // 16 KiB rows: 520 MiB, 33 chunks of 16 MiB
+  constexpr std::int64_t row_bytes = width * 4, chunk_rows = (std::int64_t{16} << 20) / row_bytes;
+  const auto at = [](std::int64_t r, std::int64_t c) { return static_cast<std::int32_t>(r * 4096 + c); };
+  {
+    SharedBuffer w = SharedBuffer::uninitialized(DType::i32, {n, width});
+    auto x = w.mut_view().as<std::int32_t>();
+    for (std::int64_t r = 0; r < n; ++r)
+      for (std::int64_t c = 0; c < width; ++c) x[static_cast<std::size_t>(r * width + c)] = at(r, c);
+    StateDict s;
+    s.add(ShardedTensor::of("big", w, {n, width}, {0, 0}));
+    run_ranks(1, [&](ProcessGroup& g) { save(s, dir / "a.h5", g); });
+  }
+  StateDict request;
+  request.add(ShardedTensor::expect("big", DType::i32, {n, width}, {n, width}, {0, 0}));
+  {
+    std::int64_t told = 0;
+    const LoadedState s = load(dir / "a.h5", request, {.progress = [&](std::int64_t b) { told += b; }});
+    ASSERT_TRUE(mapped_from(s.tensor("big"), dir / "a.h5"));
+    EXPECT_EQ(told, n * row_bytes);
+    const auto x = s.tensor("big").view().as<std::int32_t>();
+    for (const std::int64_t r : {std::int64_t{0}, chunk_rows + 3, 20 * chunk_rows + 1, n - 1})
+      EXPECT_EQ(x[static_cast<std::size_t>(r * width + 9)], at(r, 9)) << "row " << r;
+  }
+  // Where row 0 lies in the file: the rows follow it (a contiguous dataset).
+  std::size_t row0 = std::string::npos;
+  {
+    std::ifstream f(dir / "a.h5", std::ios::binary);
+    std::string head(std::size_t{4} << 20, '\0');
+    f.read(head.data(), static_cast<std::streamsize>(head.size()));
+    head.resize(static_cast<std::size_t>(f.gcount()));
+    std::string first_row(row_bytes, '\0');
+    for (std::int64_t c = 0; c < width; ++c) {
+      const std::int32_t v = at(0, c);
+      std::memcpy(first_row.data() + c * 4, &v, 4);
+    }
+    row0 = head.find(first_row);
+  }
+  ASSERT_NE(row0, std::string::npos);
+  const auto flip = [&](std::int64_t r) {
+    std::fstream f(dir / "a.h5", std::ios::binary | std::ios::in | std::ios::out);
+    const auto where = static_cast<std::streamoff>(row0 + static_cast<std::size_t>(r * row_bytes + 21));
+    char b = 0;
+    f.seekg(where);
+    f.read(&b, 1);
+    b = static_cast<char>(b ^ 0x10);
+    f.seekp(where);
+    f.write(&b, 1);
+  };
+  const std::int64_t in_second = chunk_rows + 3, in_first = 20 * chunk_rows + 1;  // chunks 1 and 20
+  flip(in_first);
+  flip(in_second);
+  const Error e = error_of([&] { (void)load(dir / "a.h5", request); });
+  EXPECT_EQ(e.code(), Errc::corrupt) << e.what();
+  EXPECT_TRUE(testing_support::contains(e.what(), "key big, rows [" + std::to_string(in_second) + ", ")) << e.what();
+  flip(in_second);
+  const Error only = error_of([&] { (void)load(dir / "a.h5", request); });
+  EXPECT_EQ(only.code(), Errc::corrupt) << only.what();
+  EXPECT_TRUE(testing_support::contains(only.what(), "key big, rows [" + std::to_string(in_first) + ", ")) << only.what();
+}
