@@ -109,6 +109,25 @@ void expect_rows(TensorView t, std::int64_t first, float salt) {
       ASSERT_EQ(x[static_cast<std::size_t>(r * cols + c)], value(first + r, c, salt)) << "row " << first + r;
 }
 
+// Saves one tensor "big" of n x width elements of T, element (r, c) at(r, c), from one rank; and
+// the request for all of it.
+template <class T, class At>
+void save_big(const std::filesystem::path& path, std::int64_t n, std::int64_t width, At at) {
+  SharedBuffer w = SharedBuffer::uninitialized(dtype_v<T>, {n, width});
+  auto x = w.mut_view().as<T>();
+  for (std::int64_t r = 0; r < n; ++r)
+    for (std::int64_t c = 0; c < width; ++c) x[static_cast<std::size_t>(r * width + c)] = at(r, c);
+  StateDict s;
+  s.add(ShardedTensor::of("big", w, {n, width}, {0, 0}));
+  run_ranks(1, [&](ProcessGroup& g) { save(s, path, g); });
+}
+
+StateDict big_request(DType dtype, std::int64_t n, std::int64_t width) {
+  StateDict request;
+  request.add(ShardedTensor::expect("big", dtype, {n, width}, {n, width}, {0, 0}));
+  return request;
+}
+
 }  // namespace
 
 // Whole rows of a contiguous dataset are a mapping of the file (across the slabs two ranks saved);
@@ -289,17 +308,8 @@ TEST(MappedLoad, ALargeTensorIsCheckedOnThreadsAndTheFirstChangedRowIsNamed) {
   ScratchDir dir;
   constexpr std::int64_t n = 4096, width = 1024;  // 16 MiB: 16 runs of 256 rows
   const auto at = [](std::int64_t r, std::int64_t c) { return static_cast<float>(r) * 4096.0f + static_cast<float>(c); };
-  {
-    SharedBuffer w = SharedBuffer::uninitialized(DType::f32, {n, width});
-    auto x = w.mut_view().as<float>();
-    for (std::int64_t r = 0; r < n; ++r)
-      for (std::int64_t c = 0; c < width; ++c) x[static_cast<std::size_t>(r * width + c)] = at(r, c);
-    StateDict s;
-    s.add(ShardedTensor::of("big", w, {n, width}, {0, 0}));
-    run_ranks(1, [&](ProcessGroup& g) { save(s, dir / "a.h5", g); });
-  }
-  StateDict request;
-  request.add(ShardedTensor::expect("big", DType::f32, {n, width}, {n, width}, {0, 0}));
+  save_big<float>(dir / "a.h5", n, width, at);
+  const StateDict request = big_request(DType::f32, n, width);
   std::int64_t told = 0;
   {
     const LoadedState s = load(dir / "a.h5", request, {.progress = [&](std::int64_t b) { told += b; }});
@@ -480,17 +490,8 @@ TEST(MappedLoad, ALargeBatchIsBroughtInByTwoStreamsAndEveryRowChecked) {
   constexpr std::int64_t width = 4096, n = 33280;  // 16 KiB rows: 520 MiB, 33 chunks of 16 MiB
   constexpr std::int64_t row_bytes = width * 4, chunk_rows = (std::int64_t{16} << 20) / row_bytes;
   const auto at = [](std::int64_t r, std::int64_t c) { return static_cast<std::int32_t>(r * 4096 + c); };
-  {
-    SharedBuffer w = SharedBuffer::uninitialized(DType::i32, {n, width});
-    auto x = w.mut_view().as<std::int32_t>();
-    for (std::int64_t r = 0; r < n; ++r)
-      for (std::int64_t c = 0; c < width; ++c) x[static_cast<std::size_t>(r * width + c)] = at(r, c);
-    StateDict s;
-    s.add(ShardedTensor::of("big", w, {n, width}, {0, 0}));
-    run_ranks(1, [&](ProcessGroup& g) { save(s, dir / "a.h5", g); });
-  }
-  StateDict request;
-  request.add(ShardedTensor::expect("big", DType::i32, {n, width}, {n, width}, {0, 0}));
+  save_big<std::int32_t>(dir / "a.h5", n, width, at);
+  const StateDict request = big_request(DType::i32, n, width);
   {
     std::int64_t told = 0;
     const LoadedState s = load(dir / "a.h5", request, {.progress = [&](std::int64_t b) { told += b; }});
