@@ -416,8 +416,8 @@ Allocated map_or_allocate(const CheckpointReader& reader, const StateDict& reque
       (!options.expect_id.empty() && reader.contents().id != options.expect_id))
     return allocate_destinations(request);  // the load refuses the last two itself
   const ReadOptions read{options.method, options.verify_checksums, options.progress, options.bypass_page_cache};
-  // Every tensor that can be mapped, mapped in one batch (its pages brought in in file order by one
-  // thread, its rows checked behind it by others); the others read into memory of their own.
+  // Every tensor that can be mapped, mapped in one batch (CheckpointReader::map_all: its pages
+  // brought in in file order, its rows checked behind them); the others read into memory of their own.
   struct Candidate {
     const ShardedTensor* tensor = nullptr;
     const ShardedParam* param = nullptr;

@@ -239,9 +239,9 @@ struct CheckRun {
 // one byte of each page where the kernel lacks it, before Linux 5.14), so the kernel reads ahead as
 // for any mapping: large folios in a pipeline, on this project's machines twice as fast as asking
 // for the same pages with MADV_WILLNEED, which reads 4 KiB pages and blocks while it submits them.
-// Above 512 MiB two streams take turns at chunks of 16 MiB: a disk serves two sequential readers
-// faster than one (this project's virtual disk by 15-20%). The checking threads then find every page in memory and
-// mapped. A page the kernel cannot bring in (the file was cut short by another program since the
+// From 512 MiB two streams take turns at chunks of 16 MiB: a disk serves two sequential readers
+// faster than one (this project's virtual disk by 15-20%). The checking threads then find every
+// page in memory and mapped. A page the kernel cannot bring in (the file was cut short by another program since the
 // reader mapped it) stops its stream there: a check that needs that page throws Errc::replaced
 // where a read of it would have raised SIGBUS. Where no thread is to be had, the checking threads
 // fault in the pages of its chunks themselves.
@@ -303,7 +303,7 @@ class Pager {
     progress_.notify_all();
   }
 
-  // Stream k: chunks k, k + streams, ... of the spans taken as one run of bytes in file order.
+  // Stream k: chunks k, k + used_, ... of the spans taken as one run of bytes in file order.
   void walk(std::size_t k, const std::stop_token& stop) {
     const auto page = static_cast<std::uintptr_t>(page_bytes());
     bool populate = true;
