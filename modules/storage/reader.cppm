@@ -127,8 +127,8 @@ class CheckpointReader {
                                   ReadOptions options = {}) const;
   // Several tensors, each mapped as map() maps it (nothing for one that cannot be), their rows
   // checked in one pass in file order: a thread brings the pages in (MADV_POPULATE_READ, so the
-  // kernel reads ahead as for any mapping; two threads from 512 MiB) while a pool of threads checks
-  // the rows behind it, so the disk does not wait between tensors. The first mismatch in file order is the error;
+  // kernel reads ahead as for any mapping) while the calling thread checks the rows behind it, others
+  // helping where it falls behind, so the disk does not wait between tensors. The first mismatch in file order is the error;
   // nothing is returned then. Unchecked tensors (options.verify off) are left to fault in as used.
   std::vector<std::optional<SharedBuffer>> map_all(std::span<const MapRequest> requests, ReadOptions options = {}) const;
 

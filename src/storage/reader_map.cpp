@@ -233,18 +233,18 @@ struct CheckRun {
   std::size_t ahead = 0;                 // bytes of the batch's parts in file order before the run ends
 };
 
-// Threads that bring the pages of a batch's parts into memory in file order, as far ahead as the
-// disk allows, while the threads that check the rows follow them (Pager::wait_until). They fault
-// the pages in as a read of them would (MADV_POPULATE_READ, a step of 1 MiB at a time; a read of
-// one byte of each page where the kernel lacks it, before Linux 5.14), so the kernel reads ahead as
-// for any mapping: large folios in a pipeline, on this project's machines twice as fast as asking
-// for the same pages with MADV_WILLNEED, which reads 4 KiB pages and blocks while it submits them.
-// From 512 MiB two streams take turns at chunks of 16 MiB: a disk serves two sequential readers
-// faster than one (this project's virtual disk by 15-20%). The checking threads then find every
-// page in memory and mapped. A page the kernel cannot bring in (the file was cut short by another program since the
-// reader mapped it) stops its stream there: a check that needs that page throws Errc::replaced
-// where a read of it would have raised SIGBUS. Where no thread is to be had, the checking threads
-// fault in the pages of its chunks themselves.
+// A thread that brings the pages of a batch's parts into memory in file order, as far ahead as the
+// disk allows, while the threads that check the rows follow it (Pager::wait_until). It faults the
+// pages in as a read of them would (MADV_POPULATE_READ, a step of 1 MiB at a time; a read of one
+// byte of each page where the kernel lacks it, before Linux 5.14), so the kernel reads ahead as for
+// any mapping: large folios in a pipeline, on this project's machines twice as fast as asking for
+// the same pages with MADV_WILLNEED, which reads 4 KiB pages and blocks while it submits them. One
+// stream: two threads taking turns at chunks of the file share its readahead state and read it
+// slower than one (measured: 1 GiB, 0.53 s against 0.44 s, medians of 8). The checking threads
+// then find every page in memory and mapped. A page the kernel cannot bring in (the file was cut
+// short by another program since the reader mapped it) stops the stream there: a check that needs
+// that page throws Errc::replaced where a read of it would have raised SIGBUS. Where no thread is
+// to be had, the checking threads fault in the pages themselves.
 class Pager {
  public:
   struct Span {
@@ -253,117 +253,91 @@ class Pager {
     std::uint64_t file_offset;  // where the span's first byte lies in the file
   };
   Pager(std::vector<Span> spans, const std::filesystem::path& path) : spans_(std::move(spans)), path_(path) {
-    std::size_t total = 0;
-    for (const Span& s : spans_) total += s.bytes;
-    used_ = total >= two_streams_from ? 2 : 1;
-    for (std::size_t k = used_; k < streams; ++k) frontier_[k].store(SIZE_MAX);
-    for (std::size_t k = 0; k < used_; ++k) {
-      try {
-        threads_[k] = std::jthread([this, k](const std::stop_token& stop) { walk(k, stop); });
-      } catch (const std::system_error&) {
-        frontier_[k].store(SIZE_MAX);
-      }
+    try {
+      thread_ = std::jthread([this](const std::stop_token& stop) { walk(stop); });
+    } catch (const std::system_error&) {
+      frontier_.store(SIZE_MAX);
     }
   }
   Pager(const Pager&) = delete;
   Pager& operator=(const Pager&) = delete;
 
+  // How far the pages are in: every byte of the spans before this position (SIZE_MAX once the
+  // stream has ended), and a count that changes whenever it moves (for wait_for_move).
+  std::size_t frontier() const { return frontier_.load(std::memory_order_acquire); }
+  std::uint32_t moves() const { return progress_.load(std::memory_order_acquire); }
+  // Blocks until the count of moves is no longer `seen`.
+  void wait_for_move(std::uint32_t seen) const { progress_.wait(seen, std::memory_order_acquire); }
+
   // Blocks until the pages of the first `position` bytes of the spans are in memory; throws
   // Errc::replaced when one of them could not be brought in.
   void wait_until(std::size_t position) const {
     for (;;) {
-      const std::uint32_t seen = progress_.load(std::memory_order_acquire);
-      if (done() >= position) break;
-      progress_.wait(seen, std::memory_order_acquire);
+      const std::uint32_t seen = moves();
+      if (frontier() >= position) break;
+      wait_for_move(seen);
     }
     if (position > reached_.load(std::memory_order_acquire))
       throw Error(Errc::replaced, cat(path_.string(), ": the file changed under its mapping: its bytes from ",
-                                      lost_at_.load(std::memory_order_acquire),
+                                      lost_at_.load(std::memory_order_relaxed),
                                       " could not be read (cut short by another program since it was opened)"));
   }
 
  private:
-  static constexpr std::size_t streams = 2, chunk = std::size_t{16} << 20, step = std::size_t{1} << 20;
-  // Below this the second stream costs more than it gains: the first checks wait for a first chunk
-  // that comes at half the disk's rate (measured: 240 MB, 119 ms with one stream against 168 ms with
-  // two; 1 GB, 688 ms against 554 ms).
-  static constexpr std::size_t two_streams_from = std::size_t{512} << 20;
+  static constexpr std::size_t step = std::size_t{1} << 20;
 
-  // Every byte before the least frontier is in memory: each stream has brought in its chunks before
-  // the one it is in, and that one up to its frontier.
-  std::size_t done() const {
-    std::size_t least = SIZE_MAX;
-    for (const auto& f : frontier_) least = std::min(least, f.load(std::memory_order_acquire));
-    return least;
-  }
-
-  void publish(std::size_t k, std::size_t position) {
-    frontier_[k].store(position, std::memory_order_release);
+  void publish(std::size_t position) {
+    frontier_.store(position, std::memory_order_release);
     progress_.fetch_add(1, std::memory_order_release);
     progress_.notify_all();
   }
 
-  // Stream k: chunks k, k + used_, ... of the spans taken as one run of bytes in file order.
-  void walk(std::size_t k, const std::stop_token& stop) {
+  void walk(const std::stop_token& stop) {
     const auto page = static_cast<std::uintptr_t>(page_bytes());
     bool populate = true;
-    std::size_t span = 0, span_start = 0;  // the span that holds `position`, and where it starts
-    for (std::size_t c = k * chunk;; c += used_ * chunk) {
-      while (span < spans_.size() && span_start + spans_[span].bytes <= c) span_start += spans_[span++].bytes;
-      if (span == spans_.size()) break;
-      publish(k, c);  // the chunks before this one are in
-      for (std::size_t position = c; position < c + chunk && span < spans_.size();) {
-        if (stop.stop_requested()) return publish(k, SIZE_MAX);
-        const Span& s = spans_[span];
-        const std::size_t at = position - span_start;
-        const std::size_t n = std::min({step, s.bytes - at, c + chunk - position});
+    unsigned touched = 0;  // what the reads of one byte read, so that they are not left out
+    std::size_t position = 0;
+    for (const Span& s : spans_) {
+      for (std::size_t at = 0; at < s.bytes;) {
+        if (stop.stop_requested()) return publish(SIZE_MAX);
+        const std::size_t n = std::min(step, s.bytes - at);
         const auto begin = reinterpret_cast<std::uintptr_t>(s.at + at), end = begin + n;
         const std::uintptr_t first = begin / page * page, last = (end + page - 1) / page * page;
         if (populate && ::madvise(reinterpret_cast<void*>(first), last - first, MADV_POPULATE_READ) != 0) {
-          if (errno == EFAULT) return lost(k, position, s.file_offset + at);
+          if (errno == EFAULT) return lost(position, s.file_offset + at);
           populate = false;  // not in this kernel (EINVAL), or not now: read a byte of each page instead
         }
         if (!populate) {
-          unsigned touched = *reinterpret_cast<const volatile unsigned char*>(begin);
+          touched += *reinterpret_cast<const volatile unsigned char*>(begin);
           for (std::uintptr_t q = first + page; q < end; q += page) touched += *reinterpret_cast<const volatile unsigned char*>(q);
-          sink_[k] += touched;
         }
+        at += n;
         position += n;
-        if (position - span_start == s.bytes) span_start += spans_[span++].bytes;
-        publish(k, position);
+        publish(position);
       }
     }
-    publish(k, SIZE_MAX);
+    sink_ = touched;
+    publish(SIZE_MAX);
   }
 
-  // Stream k could not bring in the byte at `position` (`file_offset` in the file): no check may
-  // go past it, and the stream stops (its frontier no longer holds the others back).
-  void lost(std::size_t k, std::size_t position, std::uint64_t file_offset) {
-    const std::lock_guard hold(lost_lock_);
-    if (position < reached_.load(std::memory_order_relaxed)) {
-      lost_at_.store(file_offset, std::memory_order_relaxed);
-      reached_.store(position, std::memory_order_release);
-    }
-    publish(k, SIZE_MAX);
+  // The byte at `position` (`file_offset` in the file) could not be brought in: no check may go
+  // past it. The stream ends; the checks before it go on.
+  void lost(std::size_t position, std::uint64_t file_offset) {
+    lost_at_.store(file_offset, std::memory_order_relaxed);
+    reached_.store(position, std::memory_order_release);
+    publish(SIZE_MAX);
   }
 
   std::vector<Span> spans_;
   const std::filesystem::path& path_;
-  std::size_t used_ = 1;  // streams walking
-  std::array<std::atomic<std::size_t>, streams> frontier_{};  // each stream's next byte to bring in
-  mutable std::atomic<std::uint32_t> progress_{0};             // bumped at each step of any stream
-  std::mutex lost_lock_;
-  std::atomic<std::size_t> reached_{SIZE_MAX};  // the first byte that could not be brought in
+  std::atomic<std::size_t> frontier_{0};             // the stream's next byte to bring in
+  mutable std::atomic<std::uint32_t> progress_{0};  // bumped at each step
+  std::atomic<std::size_t> reached_{SIZE_MAX};      // the first byte that could not be brought in
   std::atomic<std::uint64_t> lost_at_{0};
-  std::array<unsigned, streams> sink_{};  // what the reads of one byte read, so that they are not left out
-  std::array<std::jthread, streams> threads_;  // last: asked to stop and joined first, before the members they read go
+  unsigned sink_ = 0;
+  std::jthread thread_;  // last: asked to stop and joined first, before the members it reads go
 };
 
-// The runs of every checked part, checked as verify_rows checks them, on up to one thread per core
-// (8 at most): hashing every byte is the one CPU cost of a mapped read. The threads take the runs in
-// file order, so that on a cold file they all follow the pages as the disk brings them, and no run
-// is left to check after the last page came. The first mismatch in file order is the one reported;
-// `options.progress` is called by one thread at a time.
 void check_runs(const ReaderState& m, std::span<const CheckRun> runs, const Pager& pager, const ReadOptions& options) {
   const auto count = static_cast<std::int64_t>(runs.size());
   static const std::int64_t cores = std::max(1u, std::thread::hardware_concurrency());  // asked once
@@ -378,32 +352,49 @@ void check_runs(const ReaderState& m, std::span<const CheckRun> runs, const Page
   std::atomic<std::int64_t> next{0};
   std::int64_t failed_run = count;
   std::exception_ptr failure;
-  const auto work = [&] {
-    for (std::int64_t r = next++; r < count; r = next++) {
-      const CheckRun& run = runs[static_cast<std::size_t>(r)];
-      try {
-        pager.wait_until(run.ahead);
-        Located sub = *run.part;
-        sub.box.rows = run.rows;
-        const std::int64_t row_bytes = sub.box.cols.size() * element_bytes(sub.d->dtype);
-        verify_rows(m, sub, run.part_rows + (run.rows.begin - run.part->box.rows.begin) * row_bytes, *run.sums, each);
-      } catch (...) {
-        const std::lock_guard hold(lock);
-        if (r < failed_run) failed_run = r, failure = std::current_exception();
-        next = count;  // the others stop at their next run
+  const auto check = [&](std::int64_t r) {  // run r checked, or its failure kept if first in file order
+    const CheckRun& run = runs[static_cast<std::size_t>(r)];
+    try {
+      pager.wait_until(run.ahead);
+      Located sub = *run.part;
+      sub.box.rows = run.rows;
+      const std::int64_t row_bytes = sub.box.cols.size() * element_bytes(sub.d->dtype);
+      verify_rows(m, sub, run.part_rows + (run.rows.begin - run.part->box.rows.begin) * row_bytes, *run.sums, each);
+    } catch (...) {
+      const std::lock_guard hold(lock);
+      if (r < failed_run) failed_run = r, failure = std::current_exception();
+      next = count;  // the others stop at their next run
+    }
+  };
+  // The calling thread checks the runs in file order as their pages come in. The others help only
+  // where it falls behind, the pages in memory more than `lag` past the next run to check (a disk
+  // faster than a core hashes): on a slower disk they would only take the cores that the pager and
+  // the kernel's reads need (measured: 1 GiB cold on 2 cores, 0.45 s with one checking thread
+  // against 0.51 s with two). The lag is past the kernel's readahead (8 MiB on this project's
+  // machines), which brings pages in by the megabyte at a time whatever the disk's pace.
+  constexpr std::size_t lag = std::size_t{32} << 20;
+  const auto help = [&] {
+    for (;;) {
+      const std::uint32_t seen = pager.moves();
+      const std::int64_t r = next.load();
+      if (r >= count) return;
+      if (pager.frontier() < runs[static_cast<std::size_t>(r)].ahead + lag) {
+        pager.wait_for_move(seen);
+        continue;
       }
+      if (const std::int64_t mine = next++; mine < count) check(mine);
     }
   };
   {
-    std::vector<std::jthread> workers;
+    std::vector<std::jthread> helpers;
     for (std::int64_t t = 1; t < threads; ++t) {
       try {
-        workers.emplace_back(work);
+        helpers.emplace_back(help);
       } catch (const std::system_error&) {  // no thread to be had: fewer check the rows
         break;
       }
     }
-    work();
+    for (std::int64_t r = next++; r < count; r = next++) check(r);
   }
   if (failure) std::rethrow_exception(failure);
 }
