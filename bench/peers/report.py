@@ -120,6 +120,9 @@ def single(report, one, nbytes):
               "shardckpt's GB/s / safetensors'")
     add_ratio(report, "safetensors_load_ratio", seconds(ph, "safetensors_load"), seconds(ph, "shardckpt_read"),
               "shardckpt read / load_file")
+    add_phase(report, ph, "mapping_populate", nbytes, "mapping_populate")
+    add_ratio(report, "read_vs_mapping", seconds(ph, "mapping_populate"), seconds(ph, "shardckpt_read"),
+              "the file's pages into a mapping, nothing checked / read", target=False)
     for name in ("safetensors_single_load_into", "shardckpt_single_load_into"):
         add_phase(report, ph, name, nbytes, name)
     add_ratio(report, "safetensors_load_into_ratio", seconds(ph, "safetensors_single_load_into"),
