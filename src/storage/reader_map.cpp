@@ -7,7 +7,6 @@ module;
 #include <unistd.h>
 
 #include <algorithm>
-#include <array>
 #include <atomic>
 #include <cerrno>
 #include <cstddef>
@@ -338,6 +337,10 @@ class Pager {
   std::jthread thread_;  // last: asked to stop and joined first, before the members it reads go
 };
 
+// The runs of every checked part, checked as verify_rows checks them, in file order behind the
+// pager: by the calling thread, and by up to one more thread per core (8 in all at most) where it
+// falls behind. Hashing every byte is the one CPU cost of a mapped read. The first mismatch in file
+// order is the one reported; `options.progress` is called by one thread at a time.
 void check_runs(const ReaderState& m, std::span<const CheckRun> runs, const Pager& pager, const ReadOptions& options) {
   const auto count = static_cast<std::int64_t>(runs.size());
   static const std::int64_t cores = std::max(1u, std::thread::hardware_concurrency());  // asked once
