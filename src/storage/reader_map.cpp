@@ -262,20 +262,15 @@ class Pager {
   Pager& operator=(const Pager&) = delete;
 
   // How far the pages are in: every byte of the spans before this position (SIZE_MAX once the
-  // stream has ended), and a count that changes whenever it moves (for wait_for_move).
+  // stream has ended). It only grows, at each step of the stream.
   std::size_t frontier() const { return frontier_.load(std::memory_order_acquire); }
-  std::uint32_t moves() const { return progress_.load(std::memory_order_acquire); }
-  // Blocks until the count of moves is no longer `seen`.
-  void wait_for_move(std::uint32_t seen) const { progress_.wait(seen, std::memory_order_acquire); }
+  // Blocks until the frontier is past `seen`.
+  void wait_past(std::size_t seen) const { frontier_.wait(seen, std::memory_order_acquire); }
 
   // Blocks until the pages of the first `position` bytes of the spans are in memory; throws
   // Errc::replaced when one of them could not be brought in.
   void wait_until(std::size_t position) const {
-    for (;;) {
-      const std::uint32_t seen = moves();
-      if (frontier() >= position) break;
-      wait_for_move(seen);
-    }
+    for (std::size_t now = frontier(); now < position; now = frontier()) wait_past(now);
     if (position > reached_.load(std::memory_order_acquire))
       throw Error(Errc::replaced, cat(path_.string(), ": the file changed under its mapping: its bytes from ",
                                       lost_at_.load(std::memory_order_relaxed),
@@ -287,8 +282,7 @@ class Pager {
 
   void publish(std::size_t position) {
     frontier_.store(position, std::memory_order_release);
-    progress_.fetch_add(1, std::memory_order_release);
-    progress_.notify_all();
+    frontier_.notify_all();
   }
 
   void walk(const std::stop_token& stop) {
@@ -329,9 +323,8 @@ class Pager {
 
   std::vector<Span> spans_;
   const std::filesystem::path& path_;
-  std::atomic<std::size_t> frontier_{0};             // the stream's next byte to bring in
-  mutable std::atomic<std::uint32_t> progress_{0};  // bumped at each step
-  std::atomic<std::size_t> reached_{SIZE_MAX};      // the first byte that could not be brought in
+  mutable std::atomic<std::size_t> frontier_{0};  // the stream's next byte to bring in
+  std::atomic<std::size_t> reached_{SIZE_MAX};    // the first byte that could not be brought in
   std::atomic<std::uint64_t> lost_at_{0};
   unsigned sink_ = 0;
   std::jthread thread_;  // last: asked to stop and joined first, before the members it reads go
@@ -378,11 +371,11 @@ void check_runs(const ReaderState& m, std::span<const CheckRun> runs, const Page
   constexpr std::size_t lag = std::size_t{32} << 20;
   const auto help = [&] {
     for (;;) {
-      const std::uint32_t seen = pager.moves();
+      const std::size_t in = pager.frontier();
       const std::int64_t r = next.load();
       if (r >= count) return;
-      if (pager.frontier() < runs[static_cast<std::size_t>(r)].ahead + lag) {
-        pager.wait_for_move(seen);
+      if (in < runs[static_cast<std::size_t>(r)].ahead + lag) {
+        pager.wait_past(in);
         continue;
       }
       if (const std::int64_t mine = next++; mine < count) check(mine);
