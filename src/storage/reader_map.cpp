@@ -288,7 +288,6 @@ class Pager {
   void walk(const std::stop_token& stop) {
     const auto page = static_cast<std::uintptr_t>(page_bytes());
     bool populate = true;
-    unsigned touched = 0;  // what the reads of one byte read, so that they are not left out
     std::size_t position = 0;
     for (const Span& s : spans_) {
       for (std::size_t at = 0; at < s.bytes;) {
@@ -300,16 +299,15 @@ class Pager {
           if (errno == EFAULT) return lost(position, s.file_offset + at);
           populate = false;  // not in this kernel (EINVAL), or not now: read a byte of each page instead
         }
-        if (!populate) {
-          touched += *reinterpret_cast<const volatile unsigned char*>(begin);
-          for (std::uintptr_t q = first + page; q < end; q += page) touched += *reinterpret_cast<const volatile unsigned char*>(q);
+        if (!populate) {  // volatile: each read happens though its byte goes unused
+          (void)*reinterpret_cast<const volatile unsigned char*>(begin);
+          for (std::uintptr_t q = first + page; q < end; q += page) (void)*reinterpret_cast<const volatile unsigned char*>(q);
         }
         at += n;
         position += n;
         publish(position);
       }
     }
-    sink_ = touched;
     publish(SIZE_MAX);
   }
 
@@ -326,7 +324,6 @@ class Pager {
   mutable std::atomic<std::size_t> frontier_{0};  // the stream's next byte to bring in
   std::atomic<std::size_t> reached_{SIZE_MAX};    // the first byte that could not be brought in
   std::atomic<std::uint64_t> lost_at_{0};
-  unsigned sink_ = 0;
   std::jthread thread_;  // last: asked to stop and joined first, before the members it reads go
 };
 
