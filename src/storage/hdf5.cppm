@@ -115,8 +115,10 @@ class Channel {
 // links), objects closed with the file, no HDF5 file locks (the save's phases order all access).
 // HDF5 is given a fixed label, never the file's path: it opens nothing by name, and a path of any
 // length or depth is never resolved by it. A file opened read-only gets small metadata caches and no
-// chunk cache (raw data is read past HDF5), so that many open readers stay small.
-Hid create_file(Channel& channel);
+// chunk cache (raw data is read past HDF5), so that many open readers stay small. `metadata_bytes`
+// is about how much metadata the new file will hold: HDF5 keeps its metadata in blocks of that size
+// (at least its default, 2 KiB), so that it lies together instead of between the tensors' data.
+Hid create_file(Channel& channel, std::uint64_t metadata_bytes = 0);
 Hid open_file(Channel& channel, bool writable, Errc code);
 // Closes a file opened for writing, then throws the channel's first write failure, if any.
 void close_written(Hid& file, Channel& channel, std::string_view op);

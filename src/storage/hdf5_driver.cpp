@@ -341,7 +341,7 @@ void Channel::overlay(std::uint64_t address, void* bytes, std::size_t n) const {
   }
 }
 
-Hid create_file(Channel& channel) {
+Hid create_file(Channel& channel, std::uint64_t metadata_bytes) {
   quiet();
   const Where w{channel.file().path(), "", "create the file"};
   Hid fapl = file_access(channel, w);
@@ -350,6 +350,10 @@ Hid create_file(Channel& channel) {
   // blocks can be mapped one after another into one tensor (CheckpointReader::map). At most 4 KiB
   // of padding per such dataset.
   check(H5Pset_alignment(fapl.get(), hsize_t{4} << 10, 4096), w);
+  // One block for all the metadata where it is known beforehand: each new block of HDF5's metadata
+  // would otherwise land between two tensors (at the end of the file as it grows), and a fused
+  // weight's blocks would no longer lie one after another (create_skeleton).
+  if (metadata_bytes > 2048) check(H5Pset_meta_block_size(fapl.get(), static_cast<hsize_t>(metadata_bytes)), w);
   return owned(H5Fcreate(file_label, H5F_ACC_TRUNC, H5P_DEFAULT, fapl.get()), H5Fclose, w);
 }
 

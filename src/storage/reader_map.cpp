@@ -47,14 +47,45 @@ struct FileMapping {
     require(now > 0 && now <= static_cast<std::uint64_t>(SIZE_MAX), Errc::not_a_checkpoint, path.string(),
             ": a file of ", now, " bytes cannot be mapped");
     size = static_cast<std::size_t>(now);
-    void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE, f.descriptor(), 0);
-    if (p == MAP_FAILED)
-      throw Error(Errc::resources, cat(path.string(), ": could not map its ", size, " bytes: ", std::strerror(errno)));
-    base = static_cast<std::byte*>(p);
+    base = static_cast<std::byte*>(map_aligned(f, size, path));
   }
   FileMapping(const FileMapping&) = delete;
   FileMapping& operator=(const FileMapping&) = delete;
   ~FileMapping() { ::munmap(base, size); }
+
+ private:
+  // The file mapped at an address that is a multiple of 2 MiB, so that each address lies at its file
+  // offset modulo 2 MiB: the kernel can then map the page cache's 2 MiB folios whole (one entry
+  // instead of 512). That brings a file in faster, and on this project's virtual machines it spares
+  // the host's cost for the first touch of each 4 KiB page that came into the guest's page cache
+  // (measured, a 1 GiB file read one byte per page after MADV_POPULATE_READ: 0.004 s in each of 20
+  // rounds mapped so, 0.2-0.3 s in 6 of 20 rounds mapped 4 KiB off). Recent kernels choose such an
+  // address themselves; this asks for it.
+  static void* map_aligned(const io::File& f, std::size_t size, const std::filesystem::path& path) {
+    constexpr std::size_t huge = std::size_t{2} << 20;
+    const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+    const std::size_t span = (size + page - 1) / page * page;  // what the mapping takes of the address space
+    void* reserved = span >= huge && span <= SIZE_MAX - huge
+                         ? ::mmap(nullptr, span + huge, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
+                         : MAP_FAILED;
+    void* at = nullptr;
+    int flags = MAP_PRIVATE;
+    if (reserved != MAP_FAILED) {  // else anywhere: only the speed differs
+      const auto r = reinterpret_cast<std::uintptr_t>(reserved);
+      const std::uintptr_t aligned = (r + huge - 1) / huge * huge;
+      if (aligned > r) ::munmap(reserved, aligned - r);
+      if (const std::uintptr_t tail = r + span + huge - (aligned + span); tail > 0)
+        ::munmap(reinterpret_cast<void*>(aligned + span), tail);
+      at = reinterpret_cast<void*>(aligned), flags |= MAP_FIXED;  // over the reservation left: nothing else is there
+    }
+    void* p = ::mmap(at, size, PROT_READ | PROT_WRITE, flags, f.descriptor(), 0);
+    if (p == MAP_FAILED) {
+      const int error = errno;
+      if (at) ::munmap(at, span);
+      throw Error(Errc::resources, cat(path.string(), ": could not map its ", size, " bytes: ", std::strerror(error)));
+    }
+    return p;
+  }
 };
 
 namespace {
@@ -415,16 +446,21 @@ std::optional<Mapping> locate_and_map(const ReaderState& m, std::vector<Located>
       return std::nullopt;
     p.at = regions[0].address + static_cast<std::uint64_t>(p.box.rows.begin * p.box.cols.size() * es);
     if (p.at % static_cast<std::uint64_t>(es) != 0) return std::nullopt;  // elements must lie aligned in memory
-    // Joined runs: each on a page of the file, all but the last whole pages.
-    if (located.size() > 1 && (p.at % page_bytes() != 0 || (i + 1 < located.size() && p.bytes % page_bytes() != 0)))
-      return std::nullopt;
     if (options.verify && m.checksummed) p.slabs = &m.slabs_for(e);
   }
+  // Parts that follow one another in the file (a fused weight's blocks as a save lays them out) are
+  // one range of the file's mapping, as one part is.
+  bool adjacent = true;
+  for (std::size_t i = 1; i < located.size(); ++i) adjacent = adjacent && located[i].at == located[i - 1].at + located[i - 1].bytes;
   Mapping out;
-  if (located.size() == 1) {
+  if (adjacent) {
     out.whole = m.mapping.get([&] { return std::make_shared<FileMapping>(m.file, m.file_size, m.path); });
     return out;
   }
+  // Joined runs: each on a page of the file, all but the last whole pages.
+  for (std::size_t i = 0; i < located.size(); ++i)
+    if (located[i].at % page_bytes() != 0 || (i + 1 < located.size() && located[i].bytes % page_bytes() != 0))
+      return std::nullopt;
   const std::uint64_t now = m.file.size();
   require(now == m.file_size, Errc::replaced, m.path.string(), ": the file changed since it was opened (", m.file_size,
           " bytes then, ", now, " now): nothing is mapped");

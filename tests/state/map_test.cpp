@@ -235,11 +235,14 @@ TEST(MappedLoad, AFileChangedSinceTheOpenIsRefused) {
 }
 
 // A parameter's shard is mapped when its pieces fill it without pad rows (TP 1 of a plain weight or
-// of a fused one, its blocks mapped one after another; an unpadded shard), each whole rows of a
-// contiguous dataset; a shard with pad rows, or rows of a chunked dataset, is read into memory.
+// of a fused one; an unpadded shard), each whole rows of a contiguous dataset; a shard with pad rows,
+// or rows of a chunked dataset, is read into memory. A save lays a fused weight's blocks out one
+// after another in row order, so at TP 1 the whole weight is one range of the reader's one mapping
+// of the file, as a plain weight is, at a multiple of 2 MiB (the kernel's huge pages of the file).
 TEST(MappedLoad, ParamsAreMappedWhereTheirPiecesFillTheShard) {
   ScratchDir dir;
   auto c = small_model();
+  c.gdp_layers = c.mamba_layers = 6;  // many datasets: HDF5's metadata would fall between them
   c.cols = 4096;  // blocks of 64 KiB or more in whole pages: their data lies aligned in the file
   save_model(c, {2, 2, 8, 1}, dir / "a.h5");
   int mapped = 0, joined = 0, read = 0;
@@ -248,6 +251,7 @@ TEST(MappedLoad, ParamsAreMappedWhereTheirPiecesFillTheShard) {
       const StateDict request = demo::request(c, l, r);
       const LoadedState s = load(dir / "a.h5", request);
       EXPECT_EQ(demo::verify(c, {}, r, request, s).mismatches, 0);
+      std::set<std::uintptr_t> bases;  // of the mappings the rank's mapped tensors lie in
       for (const ShardedParam& p : request.params()) {
         const RankPlan plan = plan_rank(p.spec, p.gtp, p.align, p.coord);
         std::int64_t rows = 0;
@@ -259,12 +263,69 @@ TEST(MappedLoad, ParamsAreMappedWhereTheirPiecesFillTheShard) {
         EXPECT_EQ(mapped_from(s.tensor(p.spec.key), dir / "a.h5"), runs) << p.spec.key << " at rank " << r;
         ++(runs ? mapped : read);
         joined += runs && plan.pieces.size() > 1;
+        if (runs) bases.insert(mapping_base(s.tensor(p.spec.key).view().data(), dir / "a.h5"));
+      }
+      if (l.tp == 1 && l.gtp == 1) {
+        EXPECT_EQ(bases.size(), 1u) << "at TP 1 every weight, fused or not, lies in one mapping of the file";
+        EXPECT_EQ(*bases.begin() % (std::uintptr_t{2} << 20), 0u) << "the mapping starts at a multiple of 2 MiB";
       }
     }
   }
   EXPECT_GT(mapped, 0);
   EXPECT_GT(joined, 0);
   EXPECT_GT(read, 0);
+}
+
+// A tensor of parts that follow one another in the file is one range of the reader's mapping of the
+// file; parts in another order (or with bytes between them) are joined: each mapped on its own,
+// right after the one before, into one range of addresses. Either way its bytes are the parts'.
+TEST(MappedLoad, PartsNextToEachOtherInTheFileAreOneRangeOfItsMappingOthersAreJoined) {
+  ScratchDir dir;
+  constexpr std::int64_t n = 256, width = 1024;  // 1 MiB each, whole pages
+  const std::vector<std::string> keys{"a", "b", "c"};  // saved in key order, one after another
+  {
+    StateDict s;
+    for (std::size_t t = 0; t < keys.size(); ++t) {
+      SharedBuffer w = SharedBuffer::uninitialized(DType::f32, {n, width});
+      auto x = w.mut_view().as<float>();
+      for (std::size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(t) * 1e7f + static_cast<float>(i);
+      s.add(ShardedTensor::of(keys[t], w, {n, width}, {0, 0}));
+    }
+    run_ranks(1, [&](ProcessGroup& g) { save(s, dir / "a.h5", g); });
+  }
+  const CheckpointReader reader(dir / "a.h5");
+  const Box whole{{0, n}, {0, width}};
+  const std::optional<SharedBuffer> c = reader.map(reader.dataset("c"), whole, Extents{n, width});
+  ASSERT_TRUE(c.has_value());
+  const std::uintptr_t base = mapping_base(c->view().data(), dir / "a.h5");
+  ASSERT_NE(base, 0u);
+  const auto joined = [&](std::size_t first, std::size_t second) {
+    const std::array<MapPart, 2> parts{MapPart{&reader.dataset(keys[first]), whole}, MapPart{&reader.dataset(keys[second]), whole}};
+    std::optional<SharedBuffer> t = reader.map(parts, DType::f32, Extents{2 * n, width});
+    EXPECT_TRUE(t.has_value()) << keys[first] << keys[second];
+    if (!t) return t;
+    EXPECT_TRUE(mapped_from(*t, dir / "a.h5"));
+    const auto x = t->view().as<float>();
+    const auto half = static_cast<std::size_t>(n * width);
+    for (const std::size_t i : {std::size_t{0}, half - 1, std::size_t{12345}})
+      EXPECT_EQ(x[i], static_cast<float>(first) * 1e7f + static_cast<float>(i));
+    for (const std::size_t i : {std::size_t{0}, half - 1, std::size_t{777}})
+      EXPECT_EQ(x[half + i], static_cast<float>(second) * 1e7f + static_cast<float>(i));
+    return t;
+  };
+  // "a" then "b", as the file holds them: the reader's mapping, the one "c" lies in.
+  const std::optional<SharedBuffer> ab = joined(0, 1);
+  ASSERT_TRUE(ab.has_value());
+  EXPECT_EQ(mapping_base(ab->view().data(), dir / "a.h5"), base);
+  EXPECT_EQ(mapping_base(ab->view().data() + ab->bytes() - 1, dir / "a.h5"), base);
+  // "b" then "a": joined runs, outside the reader's mapping; each half a mapping of its own part.
+  const std::optional<SharedBuffer> ba = joined(1, 0);
+  ASSERT_TRUE(ba.has_value());
+  const std::uintptr_t first = mapping_base(ba->view().data(), dir / "a.h5");
+  const std::uintptr_t second = mapping_base(ba->view().data() + ba->bytes() / 2, dir / "a.h5");
+  EXPECT_NE(first, base);
+  EXPECT_NE(second, base);
+  EXPECT_NE(first, second);
 }
 
 // A file cut short inside a dataset's bytes is refused with the reason: nothing is mapped over
