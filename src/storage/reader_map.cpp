@@ -451,7 +451,8 @@ std::optional<Mapping> locate_and_map(const ReaderState& m, std::vector<Located>
   // Parts that follow one another in the file (a fused weight's blocks as a save lays them out) are
   // one range of the file's mapping, as one part is.
   bool adjacent = true;
-  for (std::size_t i = 1; i < located.size(); ++i) adjacent = adjacent && located[i].at == located[i - 1].at + located[i - 1].bytes;
+  for (std::size_t i = 1; i < located.size(); ++i)
+    adjacent = adjacent && located[i].at == located[i - 1].at + located[i - 1].bytes;
   Mapping out;
   if (adjacent) {
     out.whole = m.mapping.get([&] { return std::make_shared<FileMapping>(m.file, m.file_size, m.path); });

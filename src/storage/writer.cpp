@@ -150,7 +150,7 @@ std::vector<std::size_t> allocation_order(std::span<const Dataset> datasets, std
   constexpr std::size_t none = SIZE_MAX;
   std::map<std::string_view, std::size_t> index;
   for (std::size_t i = 0; i < datasets.size(); ++i) index.emplace(datasets[i].key, i);
-  std::vector<std::vector<std::size_t>> fused;       // each fused record's datasets, in row order
+  std::vector<std::vector<std::size_t>> fused;            // each fused record's datasets, in row order
   std::vector<std::size_t> group(datasets.size(), none);  // a dataset's entry in `fused`
   for (const ParamRecord& r : params) {
     if (r.blocks.size() < 2) continue;
@@ -188,7 +188,8 @@ std::uint64_t metadata_estimate(std::span<const Dataset> datasets, const Checkpo
     bytes += 64 + key.size() + (text ? text->size() : 16);
   }
   for (const Dataset& d : datasets)
-    bytes += 1536 + 4 * d.key.size() + 48 * d.slabs.size() + 16 * d.shape.size() + (d.placement ? 256 + d.placement->key.size() : 0);
+    bytes += 1536 + 4 * d.key.size() + 48 * d.slabs.size() + 16 * d.shape.size() +
+             (d.placement ? 256 + d.placement->key.size() : 0);
   return std::min<std::uint64_t>(bytes, std::uint64_t{64} << 20);
 }
 

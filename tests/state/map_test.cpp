@@ -281,7 +281,7 @@ TEST(MappedLoad, ParamsAreMappedWhereTheirPiecesFillTheShard) {
 // right after the one before, into one range of addresses. Either way its bytes are the parts'.
 TEST(MappedLoad, PartsNextToEachOtherInTheFileAreOneRangeOfItsMappingOthersAreJoined) {
   ScratchDir dir;
-  constexpr std::int64_t n = 256, width = 1024;  // 1 MiB each, whole pages
+  constexpr std::int64_t n = 256, width = 1024;        // 1 MiB each, whole pages
   const std::vector<std::string> keys{"a", "b", "c"};  // saved in key order, one after another
   {
     StateDict s;
@@ -300,7 +300,8 @@ TEST(MappedLoad, PartsNextToEachOtherInTheFileAreOneRangeOfItsMappingOthersAreJo
   const std::uintptr_t base = mapping_base(c->view().data(), dir / "a.h5");
   ASSERT_NE(base, 0u);
   const auto joined = [&](std::size_t first, std::size_t second) {
-    const std::array<MapPart, 2> parts{MapPart{&reader.dataset(keys[first]), whole}, MapPart{&reader.dataset(keys[second]), whole}};
+    const std::array<MapPart, 2> parts{MapPart{&reader.dataset(keys[first]), whole},
+                                       MapPart{&reader.dataset(keys[second]), whole}};
     std::optional<SharedBuffer> t = reader.map(parts, DType::f32, Extents{2 * n, width});
     EXPECT_TRUE(t.has_value()) << keys[first] << keys[second];
     if (!t) return t;
