@@ -202,13 +202,14 @@ Skeleton create_skeleton(io::File& f, std::span<const Dataset> datasets, const C
   const Where w{partial, "", "create the checkpoint"};
   hdf5::Channel channel(f);
   Skeleton out;
+  const std::vector<std::size_t> order = allocation_order(datasets, contents.params);
   {
     Hid file = hdf5::create_file(channel, metadata_estimate(datasets, contents));
     write_metadata(file.get(), contents, w);
     if (contents.checksummed) create_checksum_table(file.get(), checksum_rows, out, w);
     Hid slabs = contents.checksummed ? hdf5::create_group(file.get(), slabs_group, w) : Hid();
     out.datasets.reserve(datasets.size());
-    for (std::size_t i : allocation_order(datasets, contents.params)) {
+    for (std::size_t i : order) {
       const Dataset& d = datasets[i];
       create_tensor_dataset(file.get(), slabs ? slabs.get() : hid_t{-1}, d, out, {partial, d.key, "create the dataset"});
     }
@@ -217,13 +218,8 @@ Skeleton create_skeleton(io::File& f, std::span<const Dataset> datasets, const C
   }
   f.sync();
   // In the order they were given (key order, as a skeleton lists them), not the file's.
-  std::map<std::string_view, std::size_t> given;
-  for (std::size_t i = 0; i < datasets.size(); ++i) given.emplace(datasets[i].key, i);
   std::vector<Dataset> made(datasets.size());
-  for (Dataset& d : out.datasets) {
-    const std::size_t i = given.at(d.key);
-    made[i] = std::move(d);
-  }
+  for (std::size_t k = 0; k < order.size(); ++k) made[order[k]] = std::move(out.datasets[k]);
   out.datasets = std::move(made);
   return out;
 }
