@@ -31,6 +31,13 @@ import :reader_state;
 
 namespace shardckpt {
 
+namespace {
+
+std::size_t page_bytes() { return static_cast<std::size_t>(::sysconf(_SC_PAGESIZE)); }
+std::size_t round_to_page(std::size_t n) { return (n + page_bytes() - 1) / page_bytes() * page_bytes(); }
+
+}  // namespace
+
 // A private, writable mapping of a whole checkpoint file (a write to a tensor over it copies the
 // page: it never reaches the file), unmapped when the last tensor over it goes. The mapping holds
 // the file's pages, not its descriptor: the reader may close first.
@@ -63,8 +70,7 @@ struct FileMapping {
   // address themselves; this asks for it.
   static void* map_aligned(const io::File& f, std::size_t size, const std::filesystem::path& path) {
     constexpr std::size_t huge = std::size_t{2} << 20;
-    const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
-    const std::size_t span = (size + page - 1) / page * page;  // what the mapping takes of the address space
+    const std::size_t span = round_to_page(size);  // what the mapping takes of the address space
     void* reserved = span >= huge && span <= SIZE_MAX - huge
                          ? ::mmap(nullptr, span + huge, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
                          : MAP_FAILED;
@@ -99,9 +105,6 @@ class MappedRows final : public Allocation {
  private:
   std::shared_ptr<const FileMapping> mapping_;
 };
-
-std::size_t page_bytes() { return static_cast<std::size_t>(::sysconf(_SC_PAGESIZE)); }
-std::size_t round_to_page(std::size_t n) { return (n + page_bytes() - 1) / page_bytes() * page_bytes(); }
 
 // A tensor joined from runs of the file (a fused weight's blocks, each whole rows of its own
 // dataset): a reserved range of addresses in which each run is mapped, privately, right after the
