@@ -48,12 +48,17 @@ struct SaveOptions {
   // Pinned buffers through which shards in device memory are written; none: the library's pool for
   // their device (device_staging). A Saver with an engine brings its own.
   std::shared_ptr<StagingPool> staging = nullptr;
+  // A `path` that is a symbolic link is followed (the checkpoint replaces the link's target). False,
+  // for a name the caller fixes rather than the user (a backend's file in a directory another user
+  // could write to): a link there is refused, Errc::invalid_argument naming it, and nothing is written.
+  bool follow_links = true;
 };
 
 // Saves the state dicts of all ranks of `group` as one checkpoint at `path` (collective: every rank
 // calls it). Materialization is forbidden throughout. On any failure on any rank, every rank
 // throws the same error, nothing is committed and an earlier checkpoint at `path` is untouched.
-// A `path` that is a symbolic link is followed: the checkpoint replaces the link's target.
+// A `path` that is a symbolic link is followed: the checkpoint replaces the link's target (unless
+// SaveOptions::follow_links is false).
 void save(const StateDict& state, const std::filesystem::path& path, ProcessGroup& group, SaveOptions options = {});
 void save(const StateDict& state, const std::filesystem::path& path, SaveOptions options = {});
 

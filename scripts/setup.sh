@@ -4,9 +4,13 @@
 # Idempotent: quiet when everything is already there.
 #
 # --torch2 (test.sh): also makes build/peers-venv, a virtual environment of /usr/bin/python3 with
-# torch 2.x, megatron-core 0.16.1, safetensors, numpy, h5py, packaging and psutil from PyPI, for the
-# torch 2.x tests (tests/torch2: DTensors, torch.distributed.checkpoint; tests/megatron: Megatron's
-# dist_checkpointing), which are skipped, and say so, when PyPI cannot be reached.
+# torch 2.x, megatron-core 0.16.1, safetensors, numpy, h5py, packaging, psutil and einops from PyPI,
+# for the torch 2.x tests (tests/torch2: DTensors, torch.distributed.checkpoint; tests/megatron:
+# Megatron's dist_checkpointing), which are skipped, and say so, when PyPI cannot be reached; and
+# build/megatron-0.19.2, megatron-core 0.19.2 (GTP) with nvidia-resiliency-ext 0.6.0, for
+# PYTHONPATH= beside that environment (tests/megatron runs again with it). Their wheels say Python
+# >= 3.12, their code runs on Debian 12's 3.11: pip takes them for 3.12 (--python-version), without
+# their dependencies, which the environment has.
 # PyPI's torch for Linux is a CUDA build: with its nvidia-* wheels about 3 GB to download and 5.5 GB
 # installed; it runs on the CPU as well. The other Python tests run Debian's python3-torch 1.13.
 # --peers (not part of demo.sh or test.sh): --torch2, and builds build/ and installs the package into
@@ -61,14 +65,25 @@ if $torch2; then
   # The extension is built for /usr/bin/python3, so the environment is made from it, without the
   # system's packages (Debian's torch 1.13 would shadow torch 2.x).
   [ -x "$venv/bin/python" ] || /usr/bin/python3 -m venv "$venv"
-  if ! "$venv/bin/python" -c 'import torch, safetensors, numpy, h5py, packaging, psutil, megatron.core
+  if ! "$venv/bin/python" -c 'import torch, safetensors, numpy, h5py, packaging, psutil, einops, megatron.core
 assert int(torch.__version__.split(".")[0]) >= 2 and megatron.core.__version__ == "0.16.1"' 2>/dev/null; then
-    # megatron-core 0.16.1 is the newest for Python 3.11 (0.17 and later need 3.12); its torch_dist
-    # backend needs psutil, which it does not declare.
-    echo "setup: installing torch 2.x, megatron-core 0.16.1, safetensors, numpy, h5py, packaging and psutil from PyPI into $venv (about 3 GB)"
+    # megatron-core 0.16.1 is the newest that pip installs for Python 3.11 as it is; its torch_dist
+    # backend needs psutil, which it does not declare; 0.19's Mamba layers need einops.
+    echo "setup: installing torch 2.x, megatron-core 0.16.1, safetensors, numpy, h5py, packaging, psutil and einops from PyPI into $venv (about 3 GB)"
     "$venv/bin/python" -m pip install -q --disable-pip-version-check "torch>=2.8" megatron-core==0.16.1 safetensors \
-      numpy h5py packaging psutil \
+      numpy h5py packaging psutil einops \
       || echo "setup: no torch 2.x or megatron-core (PyPI unreachable?): the torch 2.x and Megatron tests will be skipped"
+  fi
+  mc19=build/megatron-0.19.2
+  if ! PYTHONPATH=$mc19 "$venv/bin/python" -c 'import megatron.core, nvidia_resiliency_ext
+assert megatron.core.__version__.split("+")[0] == "0.19.2"' 2>/dev/null; then
+    echo "setup: installing megatron-core 0.19.2 and nvidia-resiliency-ext 0.6.0 from PyPI into $mc19"
+    rm -rf "$mc19"
+    pip3=("$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps --ignore-requires-python
+          --only-binary=:all: --python-version 3.12 --implementation cp --target "$mc19")
+    { "${pip3[@]}" megatron-core==0.19.2 \
+      && "${pip3[@]}" --platform manylinux_2_39_x86_64 nvidia-resiliency-ext==0.6.0; } \
+      || { rm -rf "$mc19"; echo "setup: no megatron-core 0.19.2 (PyPI unreachable?): its Megatron tests will be skipped"; }
   fi
 fi
 if $peers; then

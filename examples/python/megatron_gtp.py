@@ -1,7 +1,7 @@
 """Megatron-core's dist_checkpointing with shardckpt: a module whose fused GatedDeltaProduct in_proj is
 GTP-sharded describes it in its sharded_state_dict() with shardckpt.megatron.gtp_sharded_state_dict,
 saves through Megatron with the "shardckpt" backend (no gather; pad rows never written), and loads
-at another GTP size and alignment. Run on N processes (N even) as torchrun starts them:
+at another GTP size and alignment (megatron-core 0.16 or 0.19: the strategy objects work on both). Run on N processes (N even) as torchrun starts them:
     torchrun --nproc-per-node 4 megatron_gtp.py DIR
 Prints "megatron: saved DIR/step1 at TP 2 x GTP 2, loaded at TP 1 x GTP 4, pad rows zero" on rank 0."""
 import os
@@ -13,8 +13,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedTensor
 
 import shardckpt as sc
-import shardckpt.megatron  # registers the backend "shardckpt", version 1
-from shardckpt.megatron import gtp_sharded_state_dict
+from shardckpt.megatron import LoadStrategy, SaveStrategy, gtp_sharded_state_dict
 
 DIMS = sc.SsmDims(heads=8, head_dim=4, groups=4, state=4, householder=2)
 HIDDEN = 8
@@ -58,12 +57,12 @@ def main():
         os.makedirs(ckpt, exist_ok=True)  # Megatron saves into an existing directory
     dist.barrier()
     dist_checkpointing.save(mixer.sharded_state_dict("decoder.layers.0.mixer."), ckpt,
-                            sharded_strategy=("shardckpt", 1), validate_access_integrity=False)
+                            sharded_strategy=SaveStrategy(), validate_access_integrity=False)
 
-    # Another GTP size and alignment: the strategy comes from the checkpoint's metadata.json.
+    # Another GTP size and alignment.
     other = Mixer(tp=1, gtp=world, align=8)
     dist_checkpointing.load(other.sharded_state_dict("decoder.layers.0.mixer."), ckpt,
-                            validate_access_integrity=False)
+                            sharded_strategy=LoadStrategy(), validate_access_integrity=False)
     # The weight without TP, to check against: each block's rows of TP rank 0, then of TP rank 1.
     spec2 = mixer.in_proj_param.spec
     parts, start = [], 0

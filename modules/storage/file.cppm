@@ -201,7 +201,9 @@ struct Destination {
 
   // Throws Errc::invalid_argument when the path names something a save must not replace (a
   // directory, FIFO, socket or device), Errc::io when its directory cannot be opened.
-  static Destination of(const std::filesystem::path& path);
+  // follow_links=false: a path that is a symbolic link is refused (Errc::invalid_argument), and so is
+  // a link planted there later, when the checkpoint replaces it (the rename replaces the name itself).
+  static Destination of(const std::filesystem::path& path, bool follow_links = true);
   // The same check against what the name names now.
   void require_replaceable() const;
 };

@@ -69,7 +69,8 @@ def _as_torch(loaded):
 
 def save(state, path, group=None, **options):
     """Saves every rank's `state` (a StateDict) as one checkpoint at `path` (collective).
-    Options: method="raw"|"hyperslab", checksums=True."""
+    Options: method="raw"|"hyperslab", checksums=True, follow_links=True (False: a `path` that is a
+    symbolic link is refused rather than its target replaced, for a file name fixed by the caller)."""
     _sync_cuda()
     _core.save(state, os.fspath(path), _group(group), **options)
 
@@ -77,7 +78,9 @@ def save(state, path, group=None, **options):
 def load_into(path, state, group=None, **options):
     """Fills the tensors of `state` in place at their layout (any TP, GTP, alignment) and returns the
     checkpoint's common values (and the state's local ones) as a dict. Options: method,
-    verify_checksums=True, bypass_page_cache=False."""
+    verify_checksums=True, bypass_page_cache=False, expect_id="" (inspect's "checkpoint_id": a checkpoint
+    another save put at `path` since is refused, code "replaced", so that what was inspected and
+    what is loaded are one checkpoint)."""
     _sync_cuda()
     values = _core.load_into(os.fspath(path), state, _group(group), **options)
     _sync_cuda()
@@ -88,7 +91,8 @@ def load(path, request, group=None, **options):
     """Loads the entries of `request` (a StateDict without data) into memory the library allocates:
     a dict from each tensor key to a torch tensor, and from each common value's key to its value.
     Options: method, verify_checksums=True, map=True (a tensor whose rows lie in the file as they
-    would in memory is a private mapping of the file, every row checked: docs/python.md)."""
+    would in memory is a private mapping of the file, every row checked: docs/python.md),
+    expect_id="" (as load_into's)."""
     return _as_torch(_core.load(os.fspath(path), request, _group(group), **options))
 
 
@@ -146,9 +150,9 @@ class Saver:
     _saver = None  # none in a Saver made by Saver.__new__ without __init__
 
     def __init__(self, group=None, cuda_device=None, async_host_bytes=0, check_unchanged=False,
-                 staging_buffer_bytes=64 << 20, reserve=True):
+                 staging_buffer_bytes=64 << 20, reserve=True, follow_links=True):
         self._saver = _core.Saver(_group(group), cuda_device, async_host_bytes, check_unchanged,
-                                  staging_buffer_bytes, reserve)
+                                  staging_buffer_bytes, reserve, follow_links)
 
     def _core(self):
         if self._saver is None:

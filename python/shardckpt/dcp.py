@@ -146,6 +146,7 @@ class Reader(_Path, StorageReader):
     def __init__(self, path=None, **options):
         super().__init__(path, options)
         self._datasets = {}
+        self._id = None  # the checkpoint_id of the file read_metadata read
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id):
@@ -162,6 +163,7 @@ class Reader(_Path, StorageReader):
             raise IsADirectoryError(f"shardckpt.dcp.Reader: {path} is a directory, not a shardckpt checkpoint (a "
                                     "directory of .distcp files is read by DCP's FileSystemReader)")
         info = inspect(path)
+        self._id = info["checkpoint_id"]
         try:
             byte_keys = set(json.loads(info["common"].get(BYTES_KEY, "[]")))
             planner_data = {k: tuple(v) for k, v in json.loads(info["common"].get(PLANNER_DATA_KEY, "{}")).items()}
@@ -191,9 +193,21 @@ class Reader(_Path, StorageReader):
             self.read_metadata()
 
     def prepare_local_plan(self, plan):
-        return plan
+        # The checkpoint this rank's metadata came from, for the coordinator to compare.
+        from dataclasses import replace
+        return replace(plan, storage_data={"shardckpt.checkpoint_id": self._id, "path": self.path})
 
     def prepare_global_plan(self, plans):
+        """Every rank must have read one checkpoint: a save that replaced the file between two ranks'
+        read_metadata fails the load on every rank (DCP raises the coordinator's error everywhere)."""
+        ids = [p.storage_data.get("shardckpt.checkpoint_id") if isinstance(p.storage_data, dict) else None
+               for p in plans]
+        if len(set(ids)) > 1:
+            first = next(r for r, i in enumerate(ids) if i != ids[0])
+            where = plans[first].storage_data.get("path") if isinstance(plans[first].storage_data, dict) else None
+            raise _core.Error(f"{where or self.path}: the ranks read different checkpoints (rank 0 checkpoint "
+                              f"{ids[0]}, rank {first} checkpoint {ids[first]}): another save replaced the file "
+                              "during the load; nothing was loaded")
         return plans
 
     def read_data(self, plan, planner):
@@ -229,7 +243,8 @@ class Reader(_Path, StorageReader):
                     into = torch.empty(tuple(req.lengths), dtype=stored)
                 state.add(_core.ShardedTensor(key, into, shape, list(req.storage_offsets)))
                 after.append((req, target, into))
-            load_into(path, state, None, **self._options)
+            # The checkpoint every rank agreed on: a file replaced since is refused (code "replaced").
+            load_into(path, state, None, expect_id=self._id or "", **self._options)
             for req, target, into in after:
                 if target is None:
                     planner.load_bytes(req, io.BytesIO(into.numpy().tobytes()))

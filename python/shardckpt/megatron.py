@@ -1,43 +1,82 @@
-"""shardckpt as a backend of Megatron-core's dist_checkpointing (megatron-core 0.16), and GTP pieces
-as Megatron ShardedTensors.
+"""shardckpt as a backend of Megatron-core's dist_checkpointing (megatron-core 0.19 and 0.16), and GTP
+pieces as Megatron ShardedTensors.
 
-    import shardckpt.megatron            # registers the backend "shardckpt", version 1
+    import shardckpt.megatron as scm
     from megatron.core import dist_checkpointing
-    dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir, sharded_strategy=("shardckpt", 1))
-    state = dist_checkpointing.load(model.sharded_state_dict(), ckpt_dir)   # the backend from metadata.json
+    dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir, sharded_strategy=scm.SaveStrategy())
+    state = dist_checkpointing.load(model.sharded_state_dict(), ckpt_dir, sharded_strategy=scm.LoadStrategy())
 
-Megatron writes its metadata.json and common.pt in `ckpt_dir` as it does for every backend; the
-backend writes one checkpoint of the library's format, `ckpt_dir`/FILE_NAME (checksummed rows, sealed
-metadata, atomic commit), in one collective save: every ShardedTensor key is a dataset at its global
-shape, each rank writing the parts it holds at their global offsets (views of its tensors, no
-gather), each part written once, its replicas taking turns (replica_id tuples: the ranks that hold
-the same part share its writes). ShardedObjects are stored in it too, each the bytes torch.save makes
-of it (a 1-D uint8 dataset; the common value OBJECTS_KEY maps dataset names to Megatron's unique
-keys), as Megatron's own strategies pickle them. A load reads each rank's own parts (any TP, PP, DP
-or distributed-optimizer split) into the tensors Megatron hands it, in place.
+On megatron-core 0.19 (0.18 removed the strategy registry) the strategies are objects: SaveStrategy
+and LoadStrategy subclass Megatron's torch_dist strategies (dist_checkpointing.save replaces any
+other save strategy by torch_dist's without a word) and override everything that touches storage:
+nothing of torch_dist's writing or reading runs. On 0.16 the backend is registered as well, so
+`sharded_strategy=("shardckpt", 1)` saves and a load without a strategy picks ours from
+metadata.json.
+
+Megatron writes its metadata.json in `ckpt_dir` as for every backend (on 0.16 its common.pt too);
+the backend writes one checkpoint of the library's format, `ckpt_dir`/FILE_NAME (checksummed rows,
+sealed metadata, atomic commit), in one collective save: every ShardedTensor key is a dataset at its
+global shape, each rank writing the parts it holds at their global offsets (views of its tensors, no
+gather), each part written once, its replicas taking turns. ShardedObjects (on 0.19 Megatron's common
+state, the ShardedObject "common_state", among them) are stored in it too, each the bytes torch.save
+makes of it (a 1-D uint8 dataset; the common value OBJECTS_KEY maps dataset names to Megatron's
+unique keys). A load reads each rank's own parts (any TP, PP, DP or distributed-optimizer split)
+into the tensors Megatron hands it, in place, from the one checkpoint whose objects it read, and
+unpickles objects with weights_only=True and Megatron's safe globals (LoadStrategy(weights_only=False)
+for a checkpoint whose pickles you trust and that needs more).
+
+Importing this module on 0.19 also teaches Megatron's load_common_state_dict to read a shardckpt
+directory's common state, and makes dist_checkpointing.load, load_tensors_metadata,
+load_sharded_metadata and remove_sharded_tensors refuse a shardckpt directory with another strategy
+(torch_dist's, the default), naming the strategy to pass.
+
+Async saves (0.19): dist_checkpointing.save(..., sharded_strategy=SaveStrategy(),
+async_sharded_save=True) returns Megatron's AsyncRequest (async_strategy="mcore", or "nvrx" with
+nvidia-resiliency-ext), which Megatron's AsyncCallsQueue schedules and finalizes: the save runs in
+the library's background thread (shardckpt.Saver), the caller blocking only until this rank's bytes
+are staged; finalization raises the save's collective outcome on every rank before Megatron writes
+metadata.json.
 
 Errors are raised on every rank, as Megatron's CheckpointingException (a KeyError or TypeError where
-Megatron's strategies raise one), before anything is committed. Megatron's own validation
-(validate_access_integrity=True) runs on rank 0 alone before any strategy is called; this backend
-checks overlaps and coverage itself, on every rank: see docs/megatron.md.
+Megatron's strategies raise one), before anything is committed; any exception a rank meets while it
+plans its part of a save or load is voted on before the library's collectives, so no rank waits on
+another's refusal. Megatron's own validation (validate_access_integrity=True) runs on rank 0 alone
+before any strategy is called; this backend checks overlaps and coverage itself, on every rank: see
+docs/megatron.md.
 """
 import io
 import json
 import os
+import shutil
+import tempfile
+import threading
+import time
 import zlib
 from collections import defaultdict
 
 import torch
-from megatron.core.dist_checkpointing.core import CheckpointingException
+import megatron.core.dist_checkpointing as _dist_checkpointing
+from megatron.core.dist_checkpointing import serialization as _serialization
+from megatron.core.dist_checkpointing.core import CheckpointingException, maybe_load_config
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, is_main_replica
-from megatron.core.dist_checkpointing.strategies.base import (LoadShardedStrategy, SaveShardedStrategy,
-                                                               StrategyAction, register_default_strategy)
+
+try:  # megatron-core up to 0.17: the strategy registry
+    from megatron.core.dist_checkpointing.strategies.base import LoadShardedStrategy as _LoadBase
+    from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy as _SaveBase
+    from megatron.core.dist_checkpointing.strategies.base import StrategyAction, register_default_strategy
+    REGISTRY = True
+except ImportError:  # 0.18 and later: strategies are torch_dist's, or objects that subclass them
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy as _LoadBase
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy as _SaveBase
+    REGISTRY = False
 
 from . import _core
+from ._no_gather import no_gather
 from .state_dict import _AS_BYTES, TORCH_DTYPE_NAMES, _stored, default_group, exchange, stored_dtype
 
-__all__ = ["BACKEND", "FILE_NAME", "OBJECTS_KEY", "VERSION", "LoadStrategy", "SaveStrategy", "gtp_sharded_state_dict"]
+__all__ = ["BACKEND", "FILE_NAME", "OBJECTS_KEY", "VERSION", "LoadStrategy", "SaveStrategy", "gtp_sharded_state_dict",
+           "no_gather"]
 
 BACKEND = "shardckpt"
 VERSION = 1
@@ -45,6 +84,7 @@ FILE_NAME = "shardckpt.h5"
 OBJECTS_KEY = "megatron.objects"  # {dataset name: ShardedObject unique key}, a JSON text
 DTYPES_KEY = "megatron.dtypes"  # {key: torch dtype} of tensors stored as another dtype's bytes (bool)
 FORMAT_KEY = "megatron.format"
+COMMON_STATE = "common_state"  # the ShardedObject that holds Megatron's common state (0.18 and later)
 
 
 def _path(checkpoint_dir):
@@ -55,10 +95,21 @@ def _object_dataset(unique_key):
     return unique_key.replace("/", ".")
 
 
+def _as_checkpointing(e):
+    """Exception `e` as Megatron raises it: CheckpointingException, KeyError and TypeError as they are,
+    anything else a CheckpointingException with its type and text."""
+    if isinstance(e, (CheckpointingException, KeyError, TypeError)):
+        return e
+    if isinstance(e, _core.Error):
+        return CheckpointingException(str(e))
+    return CheckpointingException(f"{type(e).__name__}: {e}")
+
+
 def _exchange(group, payload, failure):
     """state_dict.exchange, a failure that is no builtin raised on the other ranks as Megatron's
     CheckpointingException."""
-    return exchange(group, payload, failure, otherwise=CheckpointingException)
+    return exchange(group, payload, failure if failure is None else _as_checkpointing(failure),
+                    otherwise=CheckpointingException)
 
 
 def _collective(what):
@@ -70,10 +121,17 @@ def _collective(what):
         raise CheckpointingException(str(e)) from e
 
 
+def _numel(shape):
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
 def _view(sh, loading):
     """The tensor of ShardedTensor `sh` with its prepended axes (size 1) in front: a view, no copy."""
     if sh.flattened_range is not None:
-        raise CheckpointingException(f"{sh.key}: a ShardedTensor with flattened_range: megatron-core 0.16 itself "
+        raise CheckpointingException(f"{sh.key}: a ShardedTensor with flattened_range: megatron-core itself "
                                      "refuses them; give the flat shard as a 1-D ShardedTensor at its global offset")
     data = sh.data
     if data is None:
@@ -81,6 +139,12 @@ def _view(sh, loading):
             raise CheckpointingException(f"{sh.key}: a ShardedTensor without data to save")
         sh.init_data("cpu")
         data = sh.data
+    if not isinstance(data, torch.Tensor) or data.is_sparse or data.layout != torch.strided:
+        raise TypeError(f"{sh.key}: a ShardedTensor whose data is {type(data).__name__}"
+                        f"{'' if not isinstance(data, torch.Tensor) else ' of layout ' + str(data.layout)}: "
+                        "shardckpt saves dense (strided) tensors")
+    if data.device.type == "meta":
+        raise TypeError(f"{sh.key}: a ShardedTensor on the meta device has no bytes to save or load into")
     for _ in range(sh.prepend_axis_num):
         data = data.unsqueeze(0)
     if tuple(data.shape) != tuple(1 for _ in range(sh.prepend_axis_num)) + tuple(sh.local_shape):
@@ -110,13 +174,152 @@ def _writer_turn(key, offset, holders, rank):
     return (holders.index(rank) - first) % n, n
 
 
-class SaveStrategy(SaveShardedStrategy):
-    """The "shardckpt" backend's save: one collective save of the library into ckpt_dir/FILE_NAME.
-    `options`: shardckpt.save's (method="raw"|"hyperslab", checksums=True)."""
+def _plan_save(sharded_state_dict, group):
+    """This rank's StateDict of the library for a save of `sharded_state_dict`, and the bytes it
+    writes (collective: every rank's parts are exchanged once, and every rank's failure raised on
+    every rank)."""
+    rank = 0 if group is None else group.rank()
+    parts, objects, failure = [], [], None
+    mine = {"t": [], "o": [], "bytes_as": {}}
+    try:
+        tensors, sharded_objects = _sharded(sharded_state_dict)
+        for sh in tensors:
+            name = stored_dtype(sh.dtype, sh.key, CheckpointingException, " (dequantize FP8 first)")
+            view = _view(sh, loading=False)
+            if name in _AS_BYTES:
+                mine["bytes_as"][sh.key] = name
+            entry = [sh.key, list(sh.global_offset), list(view.shape), bool(is_main_replica(sh.replica_id)),
+                     list(sh.global_shape)]
+            parts.append((entry, sh, view))
+            mine["t"].append(entry)
+        for obj in sharded_objects:
+            main = bool(is_main_replica(obj.replica_id))
+            mine["o"].append([obj.unique_key, main])
+            if main:
+                objects.append(obj)
+    except Exception as e:  # noqa: BLE001 - any refusal is voted on, so no rank waits on another
+        failure = e
+    everyone = _exchange(group, mine, failure)
 
-    def __init__(self, backend=BACKEND, version=VERSION, **options):
-        super().__init__(backend, version)
+    # Who holds each part (key, offset, shape), and which of them hold it as its main replica. A part
+    # without elements is nobody's replica: it writes nothing and clashes with nothing, except that
+    # a tensor with no elements at all is declared once, by the lowest rank holding it.
+    holders, mains = defaultdict(set), defaultdict(set)
+    object_mains, bytes_as = defaultdict(set), {}
+    for r, p in enumerate(everyone):
+        for key, offset, shape, main, global_shape in p["t"]:
+            part = (key, tuple(offset), tuple(shape))
+            if _numel(shape) == 0 and _numel(global_shape) > 0:
+                continue
+            holders[part].add(r)
+            if main or _numel(global_shape) == 0:
+                mains[part].add(r)
+        for unique_key, main in p["o"]:
+            if main:
+                object_mains[unique_key].add(r)
+        bytes_as.update(p["bytes_as"])
+    # Every rank finds the same faults in the same lists: the same error everywhere, nothing written.
+    for (key, offset, shape), ranks in sorted(mains.items()):
+        if len(ranks) > 1 and _numel(shape) > 0:
+            raise CheckpointingException(
+                f"{key}: the part at offset {offset} of shape {shape} is a main replica on ranks "
+                f"{sorted(ranks)}: one of them must have replica_id 0 (the others' replica ids nonzero)")
+    for unique_key, ranks in sorted(object_mains.items()):
+        if len(ranks) > 1:
+            raise CheckpointingException(f"ShardedObject {unique_key} is a main replica on ranks {sorted(ranks)}")
+
+    state = _core.StateDict()
+    failure, nbytes = None, 0
+    try:
+        seen = set()
+        for (key, offset, shape, _, _), sh, view in parts:
+            part = (key, tuple(offset), tuple(shape))
+            if part in seen or not mains[part]:
+                continue  # held twice here (tied weights), no elements, or a replica no main replica holds
+            seen.add(part)
+            if _numel(shape) == 0:  # a tensor without elements: declared by the lowest rank alone
+                if rank != min(mains[part]):
+                    continue
+                replica_id, replicas = 0, 1
+            else:
+                replica_id, replicas = _writer_turn(key, offset, sorted(holders[part]), rank)
+            stored = _stored(view)
+            nbytes += stored.numel() * stored.element_size()
+            state.add(_core.ShardedTensor(key, stored, list(sh.global_shape), list(offset), replica_id, replicas))
+        for obj in objects:
+            buffer = io.BytesIO()
+            torch.save(obj.data, buffer)
+            raw = bytearray(buffer.getvalue())
+            nbytes += len(raw)
+            state.add(_core.ShardedTensor(_object_dataset(obj.unique_key), torch.frombuffer(raw, dtype=torch.uint8),
+                                          [len(raw)], [0]))
+        names = {_object_dataset(k): k for k in sorted(object_mains)}
+        state.add_common(OBJECTS_KEY, json.dumps(names, sort_keys=True, separators=(",", ":")))
+        state.add_common(DTYPES_KEY, json.dumps(bytes_as, sort_keys=True, separators=(",", ":")))
+        state.add_common(FORMAT_KEY, VERSION)
+    except Exception as e:  # noqa: BLE001 - voted on, as above
+        failure = e
+    _exchange(group, None, failure)
+    return state, nbytes
+
+
+def _wait_for_commit(marker, parent):
+    """The async process's work (Megatron's AsyncCallsQueue runs it in a process of its own, forked or
+    persistent): wait until the trainer's background save has ended (its watcher makes `marker`),
+    so that the queue sees this rank's save as running until then. Gives up when the trainer is gone."""
+    while not os.path.exists(marker):
+        try:
+            os.kill(parent, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.005)
+
+
+class _Pending:
+    """One async save in flight: a watcher thread (not a daemon: the interpreter lets it end before it
+    exits) waits for the library's outcome and then makes the marker the async process waits for."""
+
+    def __init__(self, handle, path):
+        self.handle, self.path = handle, path
+        self.dir = tempfile.mkdtemp(prefix="shardckpt-async-")
+        self.marker = os.path.join(self.dir, "done")
+        self.failure = None
+        self.thread = threading.Thread(target=self._watch, name="shardckpt-megatron-async")
+        self.thread.start()
+
+    def _watch(self):
+        try:
+            self.handle.wait()
+        except BaseException as e:  # noqa: BLE001 - kept for finalize, raised there on every rank
+            self.failure = e
+        finally:
+            with open(self.marker, "x"):
+                pass
+
+    def finalize(self):
+        """Megatron's finalization of the request (every rank, once every rank's async process ended):
+        the save's collective outcome, raised on every rank before metadata.json is written."""
+        self.thread.join()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        if self.failure is not None:
+            raise _as_checkpointing(self.failure) from self.failure
+
+
+class SaveStrategy(_SaveBase):
+    """The "shardckpt" backend's save: one collective save of the library into ckpt_dir/FILE_NAME.
+    `options`: shardckpt.save's (method="raw"|"hyperslab", checksums=True). `async_host_bytes`: the host
+    budget of async saves (a shardckpt.Saver's), allocated by the first one; None: that save's bytes on
+    this rank, so that an async save blocks only while this rank's bytes are copied."""
+
+    def __init__(self, backend=BACKEND, version=VERSION, async_host_bytes=None, **options):
+        _SaveBase.__init__(self, backend, version)
+        unknown = sorted(set(options) - {"method", "checksums"})
+        if unknown:
+            raise TypeError(f"shardckpt.megatron.SaveStrategy: unknown options {unknown} (method, checksums, "
+                            "async_host_bytes)")
         self._options = options
+        self._async_host_bytes = async_host_bytes
+        self._saver = None
 
     @property
     def can_handle_sharded_objects(self):
@@ -125,87 +328,76 @@ class SaveStrategy(SaveShardedStrategy):
     def save(self, sharded_state_dict, checkpoint_dir):
         from . import save
         group = default_group(None)
-        rank = 0 if group is None else group.rank()
-        parts, objects, failure = [], [], None
-        mine = {"t": [], "o": [], "bytes_as": {}}
+        state, _ = _plan_save(sharded_state_dict, group)
+        # The file name is the backend's, not the user's: a link planted there is refused, not followed.
+        _collective(lambda: save(state, _path(checkpoint_dir), group, follow_links=False, **self._options))
+
+    def async_save(self, sharded_state_dict, checkpoint_dir, async_strategy="nvrx"):
+        """Starts the save in the library's background thread and returns Megatron's AsyncRequest for
+        `async_strategy` ("mcore", or "nvrx" where nvidia-resiliency-ext is installed) whose process
+        waits for it and whose finalization raises its outcome on every rank."""
+        from megatron.core.dist_checkpointing.strategies.torch import get_async_strategy
+        from . import Saver
         try:
-            tensors, sharded_objects = _sharded(sharded_state_dict)
-            for sh in tensors:
-                name = stored_dtype(sh.dtype, sh.key, CheckpointingException, " (dequantize FP8 first)")
-                view = _view(sh, loading=False)
-                if name in _AS_BYTES:
-                    mine["bytes_as"][sh.key] = name
-                entry = [sh.key, list(sh.global_offset), list(view.shape), bool(is_main_replica(sh.replica_id))]
-                parts.append((entry, sh, view))
-                mine["t"].append(entry)
-            for obj in sharded_objects:
-                main = bool(is_main_replica(obj.replica_id))
-                mine["o"].append([obj.unique_key, main])
-                if main:
-                    objects.append(obj)
-        except (CheckpointingException, TypeError, ValueError) as e:
-            failure = e
-        everyone = _exchange(group, mine, failure)
-
-        # Who holds each part (key, offset, shape), and which of them hold it as its main replica.
-        holders, mains = defaultdict(set), defaultdict(set)
-        object_mains, bytes_as = defaultdict(set), {}
-        for r, p in enumerate(everyone):
-            for key, offset, shape, main in p["t"]:
-                part = (key, tuple(offset), tuple(shape))
-                holders[part].add(r)
-                if main:
-                    mains[part].add(r)
-            for unique_key, main in p["o"]:
-                if main:
-                    object_mains[unique_key].add(r)
-            bytes_as.update(p["bytes_as"])
-        # Every rank finds the same faults in the same lists: the same error everywhere, nothing written.
-        for (key, offset, shape), ranks in sorted(mains.items()):
-            if len(ranks) > 1:
-                raise CheckpointingException(
-                    f"{key}: the part at offset {offset} of shape {shape} is a main replica on ranks "
-                    f"{sorted(ranks)}: one of them must have replica_id 0 (the others' replica ids nonzero)")
-        for unique_key, ranks in sorted(object_mains.items()):
-            if len(ranks) > 1:
-                raise CheckpointingException(f"ShardedObject {unique_key} is a main replica on ranks {sorted(ranks)}")
-
-        state = _core.StateDict()
-        failure = None
+            _, modules = get_async_strategy(async_strategy)
+        except (ModuleNotFoundError, TypeError) as e:
+            raise CheckpointingException(f"shardckpt async save: {e}") from e
+        group = default_group(None)
+        state, nbytes = _plan_save(sharded_state_dict, group)
+        if self._saver is None:
+            budget = self._async_host_bytes
+            if budget is None:  # this rank's bytes (every rank makes its saver: collective)
+                budget = nbytes
+            self._saver = _collective(lambda: Saver(group, async_host_bytes=budget, follow_links=False))
+        path = _path(checkpoint_dir)
+        handle = _collective(lambda: self._saver.save_async(state, path))
         try:
-            seen = set()
-            for (key, offset, shape, _), sh, view in parts:
-                part = (key, tuple(offset), tuple(shape))
-                if part in seen or not mains[part]:
-                    continue  # held twice here (tied weights), or a replica of a part no main replica holds
-                seen.add(part)
-                replica_id, replicas = _writer_turn(key, offset, sorted(holders[part]), rank)
-                state.add(_core.ShardedTensor(key, _stored(view), list(sh.global_shape), list(offset), replica_id,
-                                              replicas))
-            for obj in objects:
-                buffer = io.BytesIO()
-                torch.save(obj.data, buffer)
-                raw = bytearray(buffer.getvalue())
-                state.add(_core.ShardedTensor(_object_dataset(obj.unique_key), torch.frombuffer(raw, dtype=torch.uint8),
-                                              [len(raw)], [0]))
-            names = {_object_dataset(k): k for k in sorted(object_mains)}
-            state.add_common(OBJECTS_KEY, json.dumps(names, sort_keys=True, separators=(",", ":")))
-            state.add_common(DTYPES_KEY, json.dumps(bytes_as, sort_keys=True, separators=(",", ":")))
-            state.add_common(FORMAT_KEY, VERSION)
-        except (CheckpointingException, TypeError, ValueError, _core.Error) as e:
-            failure = CheckpointingException(str(e)) if isinstance(e, _core.Error) else e
-        _exchange(group, None, failure)
-        _collective(lambda: save(state, _path(checkpoint_dir), group, **self._options))
+            handle.wait_staged()  # Megatron has no later hook before the weights change: staged now
+        except _core.Error as e:
+            raise CheckpointingException(str(e)) from e
+        pending = _Pending(handle, path)
+        return modules["AsyncRequest"](_wait_for_commit, (pending.marker, os.getpid()), [pending.finalize],
+                                       async_fn_kwargs={})
 
 
-class LoadStrategy(LoadShardedStrategy):
+def _destination_key(t):
+    """What identifies the bytes a destination covers, to find two destinations over the same bytes."""
+    return (t.device.type, t.device.index, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+
+
+def _refuse_partial_overlaps(destinations, path):
+    """Destinations over the same bytes as another's (two keys into one view) load as torch_dist
+    loads them, one after the other; contiguous destinations that share only some bytes would put
+    two different rows in the same bytes: refused, naming both keys."""
+    spans = []
+    for where, (key, t) in destinations.items():
+        if t.is_contiguous() and t.numel() > 0 and t.device.type == "cpu":
+            start = t.data_ptr()
+            spans.append((start, start + t.numel() * t.element_size(), key, where))
+    spans.sort(key=lambda s: (s[0], s[1]))
+    for (s1, e1, k1, w1), (s2, e2, k2, w2) in zip(spans, spans[1:]):
+        if s2 < e1 and w1 != w2:
+            raise CheckpointingException(f"{path}: the destinations of {k1} and {k2} share {min(e1, e2) - s2} bytes "
+                                         "at other rows: a load would put two different rows in the same bytes")
+
+
+class LoadStrategy(_LoadBase):
     """The "shardckpt" backend's load: each rank reads its own parts of ckpt_dir/FILE_NAME into the
     tensors Megatron hands it. `options`: shardckpt.load_into's (method, verify_checksums=True,
-    bypass_page_cache=False)."""
+    bypass_page_cache=False). `weights_only`: how ShardedObjects (and, on 0.19, the common state) are
+    unpickled: True (torch.load's restricted unpickler, with Megatron's safe globals), False only for
+    a checkpoint whose pickles you trust (they can run any code)."""
 
-    def __init__(self, **options):
-        super().__init__()
+    def __init__(self, weights_only=True, **options):
+        _LoadBase.__init__(self)
+        unknown = sorted(set(options) - {"method", "verify_checksums", "bypass_page_cache"})
+        if unknown:
+            raise TypeError(f"shardckpt.megatron.LoadStrategy: unknown options {unknown} (method, verify_checksums, "
+                            "bypass_page_cache, weights_only)")
         self._options = options
+        self._weights_only = bool(weights_only)
+        # 0.19: Megatron dequantizes FP8 destinations before a strategy without streaming dequantization.
+        self.stream_ckpt_dequant = False
 
     @property
     def can_handle_sharded_objects(self):
@@ -225,31 +417,74 @@ class LoadStrategy(LoadShardedStrategy):
     def _contents(self, checkpoint_dir):
         from . import inspect
         path = _path(checkpoint_dir)
+        config = maybe_load_config(os.fspath(checkpoint_dir))
+        if config is not None and config.sharded_backend != BACKEND:
+            self.check_backend_compatibility(config.sharded_backend)
         try:
             info = inspect(path)
-            objects = json.loads(info["common"].get(OBJECTS_KEY, "{}"))
-            bytes_as = json.loads(info["common"].get(DTYPES_KEY, "{}"))
         except _core.Error as e:
             raise CheckpointingException(str(e)) from e
-        except ValueError as e:
+        common = info["common"]
+        try:
+            objects = json.loads(common.get(OBJECTS_KEY, "{}"))
+            bytes_as = json.loads(common.get(DTYPES_KEY, "{}"))
+            if not isinstance(objects, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                        for k, v in objects.items()):
+                raise ValueError(f"{OBJECTS_KEY} is not a map of names")
+            if not isinstance(bytes_as, dict) or not all(isinstance(v, str) and v in _AS_BYTES
+                                                         for v in bytes_as.values()):
+                raise ValueError(f"{DTYPES_KEY} is not a map of dtypes stored as bytes")
+        except (ValueError, TypeError, RecursionError) as e:
             raise CheckpointingException(f"{path}: {OBJECTS_KEY!r} or {DTYPES_KEY!r} is not what the shardckpt "
-                                         f"backend writes ({e})") from None
+                                         f"backend writes ({type(e).__name__}: {str(e)[:200]})") from None
         datasets = {t["key"]: t for t in info["tensors"]}
-        return path, datasets, objects, bytes_as
+        return path, datasets, objects, bytes_as, info["checkpoint_id"]
 
     def _dtype(self, key, info, bytes_as):
         return getattr(torch, bytes_as.get(key) or TORCH_DTYPE_NAMES[info["dtype"]])
 
-    def load(self, sharded_state_dict, checkpoint_dir):
+    def _unpickle(self, raw, what, path):
+        try:
+            return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=self._weights_only)
+        except Exception as e:  # noqa: BLE001 - whatever unpickling raises, said with the object's key
+            hint = (" (it needs globals outside torch's and Megatron's safe ones: load with "
+                    "LoadStrategy(weights_only=False) only if you trust the checkpoint)") if self._weights_only else ""
+            raise CheckpointingException(f"{what} in {path}: could not be unpickled{hint}: {str(e)[:500]}") from e
+
+    def load_common(self, checkpoint_dir):
+        """Megatron's common state of a 0.19 checkpoint (the ShardedObject "common_state"), this rank
+        alone; load_common_state_dict calls it for a shardckpt directory. The next load of this
+        strategy class from the same directory reads the same checkpoint, or fails."""
+        from . import load_into
+        path, datasets, objects, _, checkpoint_id = self._contents(checkpoint_dir)
+        unique_key = ShardedObject(COMMON_STATE, None, (1,), (0,)).unique_key
+        name = _object_dataset(unique_key)
+        if name not in objects or name not in datasets:
+            raise CheckpointingException(f"{path}: no common state ({unique_key}): saved by megatron-core before "
+                                         "0.18, whose common state is in common.pt")
+        n = datasets[name]["global_shape"][0]
+        buffer = torch.empty(n, dtype=torch.uint8)
+        state = _core.StateDict()
+        state.add(_core.ShardedTensor(name, buffer, [n], [0]))
+        _collective(lambda: load_into(path, state, None, expect_id=checkpoint_id, **self._options))
+        _COMMON_READ[os.path.realpath(os.fspath(checkpoint_dir))] = checkpoint_id
+        return self._unpickle(buffer.numpy().tobytes(), "the common state", path)
+
+    def load(self, sharded_state_dict, checkpoint_dir, *args):
         from . import load_into
         group = default_group(None)
         state, copy_back, object_reads, failure = _core.StateDict(), [], [], None
+        path = _path(checkpoint_dir)
         try:
-            path, datasets, objects, bytes_as = self._contents(checkpoint_dir)
+            path, datasets, objects, bytes_as, checkpoint_id = self._contents(checkpoint_dir)
+            # The checkpoint Megatron's common state came from (0.19 reads it first), else this one.
+            checkpoint_id = _COMMON_READ.pop(os.path.realpath(os.fspath(checkpoint_dir)), checkpoint_id)
             by_unique_key = {k: name for name, k in objects.items()}
             tensors, sharded_objects = _sharded(sharded_state_dict)
+            destinations = {}
             for sh in tensors:
-                self._plan(sh, path, datasets, bytes_as, state, copy_back)
+                self._plan(sh, path, datasets, bytes_as, state, copy_back, destinations)
+            _refuse_partial_overlaps(destinations, path)
             for obj in sharded_objects:
                 name = by_unique_key.get(obj.unique_key)
                 if name is None or name not in datasets:
@@ -258,32 +493,28 @@ class LoadStrategy(LoadShardedStrategy):
                 buffer = torch.empty(n, dtype=torch.uint8)
                 state.add(_core.ShardedTensor(name, buffer, [n], [0]))
                 object_reads.append((obj, buffer))
-        except (CheckpointingException, TypeError, ValueError, KeyError) as e:
+        except Exception as e:  # noqa: BLE001 - any refusal is voted on, so no rank waits on another
             failure = e
         _exchange(group, None, failure)
         failure, loaded = None, {}
         try:
-            load_into(path, state, None, **self._options)
-            for target, temp in copy_back:
+            load_into(path, state, None, expect_id=checkpoint_id, **self._options)
+            for target, temp in copy_back:  # in the order Megatron lists them, as torch_dist fills them
                 target.copy_(temp)
             for obj, buffer in object_reads:  # unpickled before the last exchange: a bad one fails every rank
-                try:
-                    loaded[id(obj)] = torch.load(io.BytesIO(buffer.numpy().tobytes()), map_location="cpu",
-                                                 weights_only=False)
-                except Exception as e:  # noqa: BLE001 - whatever unpickling raises, said with the object's key
-                    raise CheckpointingException(f"ShardedObject {obj.unique_key} in {path}: {e}") from e
-        except _core.Error as e:
-            failure = CheckpointingException(str(e))
-        except CheckpointingException as e:
+                loaded[id(obj)] = self._unpickle(buffer.numpy().tobytes(), f"ShardedObject {obj.unique_key}", path)
+        except Exception as e:  # noqa: BLE001 - voted on, as above
             failure = e
         _exchange(group, None, failure)
         return dict_list_map_inplace(lambda v: loaded[id(v)] if isinstance(v, ShardedObject) else v.data,
                                      sharded_state_dict)
 
-    def _plan(self, sh, path, datasets, bytes_as, state, copy_back):
+    def _plan(self, sh, path, datasets, bytes_as, state, copy_back, destinations):
         """Adds ShardedTensor `sh`'s part to the load: into its tensor, or into a temporary of the
-        stored dtype copied into it after the load. With allow_shape_mismatch (a padded vocabulary),
-        the tensor is zeroed and the part of it the checkpoint holds is read (as torch_dist does)."""
+        stored dtype copied into it after the load (another dtype, not contiguous, or bytes another
+        key of this load fills too: Megatron lets two keys load into views of one tensor). With
+        allow_shape_mismatch (a padded vocabulary), the tensor is zeroed and the part of it the
+        checkpoint holds is read (as torch_dist does)."""
         info = datasets.get(sh.key)
         if info is None:
             raise CheckpointingException(f"{path}: {sh.key} from the sharded state dict is not in the checkpoint")
@@ -297,15 +528,17 @@ class LoadStrategy(LoadShardedStrategy):
                                              f"({tuple(sh.global_shape)}) tensor for key {sh.key} ({path})")
             for d, (offset, stored_size) in enumerate(zip(sh.global_offset, stored)):
                 view = view.narrow(d, 0, max(0, min(view.shape[d], stored_size - offset)))
-            if view.numel() == 0:
-                return
+        if view.numel() == 0:
+            return  # nothing to read: a part without elements
         dtype = self._dtype(sh.key, info, bytes_as)
         target = view.detach()
-        if target.dtype == dtype and target.is_contiguous():
+        where = _destination_key(target)
+        if target.dtype == dtype and target.is_contiguous() and where not in destinations:
             into = target
         else:
             into = torch.empty(tuple(target.shape), dtype=dtype)
             copy_back.append((target, into))
+        destinations.setdefault(where, (sh.key, target))
         if into.dtype == torch.bool:
             into = into.view(torch.uint8)
         state.add(_core.ShardedTensor(sh.key, into, list(stored), list(sh.global_offset)))
@@ -313,7 +546,7 @@ class LoadStrategy(LoadShardedStrategy):
     def load_tensors_metadata(self, checkpoint_dir, metadata=None):
         """Each tensor's global shape and dtype, as Megatron's torch_dist strategy gives them: a
         ShardedTensor without data and without sharding per key (ShardedObjects left out)."""
-        _, datasets, objects, bytes_as = self._contents(checkpoint_dir)
+        _, datasets, objects, bytes_as, _ = self._contents(checkpoint_dir)
         out = {}
         for key, info in datasets.items():
             if key in objects:
@@ -324,13 +557,22 @@ class LoadStrategy(LoadShardedStrategy):
 
     def load_sharded_metadata(self, checkpoint_dir):
         """load_tensors_metadata's tensors and each ShardedObject, keyed by its unique key, without data."""
-        _, _, objects, _ = self._contents(checkpoint_dir)
+        _, _, objects, _, _ = self._contents(checkpoint_dir)
         out = {}
         for unique_key in objects.values():
             obj = ShardedObject.empty_from_unique_key(unique_key)
             out[obj.unique_key] = obj
         out.update(self.load_tensors_metadata(checkpoint_dir))
         return out
+
+    def remove_sharded_tensors(self, checkpoint_dir, key_prefix):
+        raise CheckpointingException(f"{_path(checkpoint_dir)}: a shardckpt checkpoint is one sealed file; removing "
+                                     f"the tensors under {key_prefix!r} from it is not supported (save the state "
+                                     "dict without them instead)")
+
+
+# The checkpoint id each directory's common state was read from (0.19), for the load that follows.
+_COMMON_READ = {}
 
 
 def gtp_sharded_state_dict(param, prefix="", replica_id=None):
@@ -365,5 +607,76 @@ def gtp_sharded_state_dict(param, prefix="", replica_id=None):
     return out
 
 
-register_default_strategy(StrategyAction.SAVE_SHARDED, BACKEND, VERSION, SaveStrategy())
-register_default_strategy(StrategyAction.LOAD_SHARDED, BACKEND, VERSION, LoadStrategy())
+def _ours(checkpoint_dir):
+    """Whether `checkpoint_dir` holds a checkpoint of this backend (its metadata.json says so)."""
+    try:
+        config = maybe_load_config(os.fspath(checkpoint_dir))
+    except (OSError, ValueError, TypeError):
+        return False
+    return config is not None and config.sharded_backend == BACKEND
+
+
+def _is_our_load(strategy):
+    base = getattr(strategy, "base_strategy", None)  # FullyParallelLoadStrategyWrapper
+    return isinstance(strategy, LoadStrategy) or isinstance(base, LoadStrategy)
+
+
+def _refuse_other_strategy(checkpoint_dir, strategy, what):
+    if _ours(checkpoint_dir) and not _is_our_load(strategy):
+        given = "no sharded_strategy" if strategy is None else f"sharded_strategy={type(strategy).__name__}"
+        raise CheckpointingException(
+            f"{checkpoint_dir} holds a shardckpt checkpoint (metadata.json: sharded_backend {BACKEND!r}); "
+            f"{what} was given {given}: pass sharded_strategy=shardckpt.megatron.LoadStrategy()")
+
+
+def _install_on_megatron_without_registry():
+    """megatron-core 0.18 and later: what a load of a shardckpt directory needs from Megatron's own
+    functions (they read torch_dist's files unless told otherwise)."""
+    if getattr(_serialization, "_shardckpt_installed", False):
+        return
+    original_common = _serialization.load_common_state_dict
+    original_load = _serialization.load
+    original_tensors = _serialization.load_tensors_metadata
+    original_sharded = _serialization.load_sharded_metadata
+    original_remove = _serialization.remove_sharded_tensors
+
+    def load_common_state_dict(checkpoint_dir):
+        if _ours(checkpoint_dir):
+            return LoadStrategy().load_common(checkpoint_dir)
+        return original_common(checkpoint_dir)
+
+    def load(sharded_state_dict, checkpoint_dir, sharded_strategy=None, *args, **kwargs):
+        _refuse_other_strategy(checkpoint_dir, sharded_strategy, "dist_checkpointing.load")
+        return original_load(sharded_state_dict, checkpoint_dir, sharded_strategy, *args, **kwargs)
+
+    def load_tensors_metadata(checkpoint_dir, sharded_strategy=None):
+        _refuse_other_strategy(checkpoint_dir, sharded_strategy, "load_tensors_metadata")
+        return original_tensors(checkpoint_dir, sharded_strategy)
+
+    def load_sharded_metadata(checkpoint_dir, sharded_strategy=None):
+        _refuse_other_strategy(checkpoint_dir, sharded_strategy, "load_sharded_metadata")
+        return original_sharded(checkpoint_dir, sharded_strategy)
+
+    def remove_sharded_tensors(checkpoint_dir, key_prefix):
+        if _ours(checkpoint_dir):
+            return LoadStrategy().remove_sharded_tensors(checkpoint_dir, key_prefix)
+        return original_remove(checkpoint_dir, key_prefix)
+
+    for name, f, original in (("load_common_state_dict", load_common_state_dict, original_common),
+                              ("load", load, original_load),
+                              ("load_tensors_metadata", load_tensors_metadata, original_tensors),
+                              ("load_sharded_metadata", load_sharded_metadata, original_sharded),
+                              ("remove_sharded_tensors", remove_sharded_tensors, original_remove)):
+        f.__doc__ = original.__doc__
+        f.__wrapped__ = original
+        setattr(_serialization, name, f)
+        if getattr(_dist_checkpointing, name, None) is original:
+            setattr(_dist_checkpointing, name, f)
+    _serialization._shardckpt_installed = True
+
+
+if REGISTRY:
+    register_default_strategy(StrategyAction.SAVE_SHARDED, BACKEND, VERSION, SaveStrategy())
+    register_default_strategy(StrategyAction.LOAD_SHARDED, BACKEND, VERSION, LoadStrategy())
+else:
+    _install_on_megatron_without_registry()

@@ -420,6 +420,8 @@ def load_state_dict(state_dict, path, group=None, **options):
     except (TypeError, ValueError, KeyError, _core.Error) as e:
         failure = e
     agree(group, failure)
-    load_into(path, loads.state, group, **options)
+    # The tensors from the file whose tree and common values were read above: a checkpoint another
+    # save put at `path` since is refused (code "replaced"), never mixed in.
+    load_into(path, loads.state, group, expect_id=info["checkpoint_id"], **options)
     loads.finish()
     return result

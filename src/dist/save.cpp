@@ -166,7 +166,7 @@ Bytes create_checkpoint(const std::vector<std::span<const std::byte>>& payloads,
   for (std::span<const std::byte> p : payloads) dest.received.push_back(digest(p));
   Planned planned = validate_in_parts(payloads, contents);
   if (!options.checksums) planned.checksum_rows = 0;
-  io::Destination where = io::Destination::of(path);
+  io::Destination where = io::Destination::of(path, options.follow_links);
   dest.dir = where.path.parent_path();
   dest.checkpoint.emplace(CheckpointWriter::create(std::move(where), planned.specs, contents, planned.checksum_rows));
   const Skeleton& skeleton = dest.checkpoint->skeleton();

@@ -31,19 +31,22 @@ IoMethod method_arg(const std::string& name) {
 }
 
 // Device tensors go through the library's engine and pool for their device (device_staging).
-SaveOptions save_options(const std::string& method, bool checksums) {
+SaveOptions save_options(const std::string& method, bool checksums, bool follow_links = true) {
   SaveOptions o;
   o.method = method_arg(method);
   o.checksums = checksums;
+  o.follow_links = follow_links;
   return o;
 }
 
 LoadOptions load_options(const std::string& method, bool verify_checksums,
-                         bool bypass_page_cache) {
+                         bool bypass_page_cache, std::string expect_id) {
   LoadOptions o;
   o.method = method_arg(method);
   o.verify_checksums = verify_checksums;
   o.bypass_page_cache = bypass_page_cache;
+  // The checkpoint the caller looked at (inspect's "checkpoint_id"): another save's file is Errc::replaced.
+  o.expect_id = std::move(expect_id);
   return o;
 }
 
@@ -247,8 +250,9 @@ void bind_saver(py::module_& m) {
       .def("done", [](const PyAsyncSave& s) { return s.pending->save.done(); });
   py::class_<PySaver> saver(m, "Saver", "Repeated (and async) saves of one rank; collective to make.");
   saver.def(py::init([](py::object group, std::optional<int> cuda_device, const py::int_& async_host_bytes,
-                       bool check_unchanged, const py::int_& staging_buffer_bytes, bool reserve) {
+                       bool check_unchanged, const py::int_& staging_buffer_bytes, bool reserve, bool follow_links) {
              SaverOptions o;
+             o.save.follow_links = follow_links;
              o.async_host_bytes = byte_count(async_host_bytes, "async_host_bytes");
              o.check_unchanged = check_unchanged;
              o.reserve = reserve;
@@ -264,7 +268,7 @@ void bind_saver(py::module_& m) {
            }),
            py::arg("group") = py::none(), py::arg("cuda_device") = py::none(), py::arg("async_host_bytes") = 0,
            py::arg("check_unchanged") = false, py::arg("staging_buffer_bytes") = StagingPool::default_buffer_bytes,
-           py::arg("reserve") = true);
+           py::arg("reserve") = true, py::arg("follow_links") = true);
   bind_saver_saves(saver);
   saver
       .def("close", &PySaver::close,
@@ -330,8 +334,9 @@ void bind_tools(py::module_& m);
 
 void bind_io(py::module_& m) {
   m.def("save",
-        [](const PyStateDict& state, const Path& path, py::object group, const std::string& method, bool checksums) {
-          SaveOptions o = save_options(method, checksums);
+        [](const PyStateDict& state, const Path& path, py::object group, const std::string& method, bool checksums,
+           bool follow_links) {
+          SaveOptions o = save_options(method, checksums, follow_links);
           GroupArg g(group);
           resolve(state).run([&](StateDict& st) {
             py::gil_scoped_release nogil;
@@ -339,11 +344,11 @@ void bind_io(py::module_& m) {
           });
         },
         py::arg("state"), py::arg("path"), py::arg("group") = py::none(), py::arg("method") = "raw",
-        py::arg("checksums") = true);
+        py::arg("checksums") = true, py::arg("follow_links") = true);
   m.def("load_into",
         [](const Path& path, PyStateDict& state, py::object group, const std::string& method, bool verify_checksums,
-           bool bypass_page_cache) {
-          LoadOptions o = load_options(method, verify_checksums, bypass_page_cache);
+           bool bypass_page_cache, std::string expect_id) {
+          LoadOptions o = load_options(method, verify_checksums, bypass_page_cache, std::move(expect_id));
           GroupArg g(group);
           const Values values = resolve(state).run([&](StateDict& st) {
             py::gil_scoped_release nogil;
@@ -352,11 +357,11 @@ void bind_io(py::module_& m) {
           return python_values(values);
         },
         py::arg("path"), py::arg("state"), py::arg("group") = py::none(), py::arg("method") = "raw",
-        py::arg("verify_checksums") = true, py::arg("bypass_page_cache") = false);
+        py::arg("verify_checksums") = true, py::arg("bypass_page_cache") = false, py::arg("expect_id") = "");
   m.def("load",
         [](const Path& path, const PyStateDict& request, py::object group, const std::string& method,
-           bool verify_checksums, bool map) {
-          LoadOptions o = load_options(method, verify_checksums, false);
+           bool verify_checksums, bool map, std::string expect_id) {
+          LoadOptions o = load_options(method, verify_checksums, false, std::move(expect_id));
           o.map = map;
           GroupArg g(group);
           std::optional<LoadedState> loaded;
@@ -370,7 +375,7 @@ void bind_io(py::module_& m) {
           return tensors_dict(*loaded, scalars);
         },
         py::arg("path"), py::arg("request"), py::arg("group") = py::none(), py::arg("method") = "raw",
-        py::arg("verify_checksums") = true, py::arg("map") = true);
+        py::arg("verify_checksums") = true, py::arg("map") = true, py::arg("expect_id") = "");
   m.def("read",
         [](const Path& path, std::int64_t tp, std::int64_t tp_rank, bool map) {
           std::optional<ReadAll> read;

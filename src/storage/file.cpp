@@ -288,8 +288,8 @@ File Directory::open_regular(std::string_view name, Errc refusal) const {
 }
 
 
-Destination Destination::of(const fs::path& path) {
-  const fs::path target = follow_links(path);
+Destination Destination::of(const fs::path& path, bool follow) {
+  const fs::path target = follow ? follow_links(path) : path;
   Destination d;
   d.name = target.filename().string();
   require(plain_name(d.name), Errc::invalid_argument, "cannot save to ", path.string(),
@@ -297,6 +297,11 @@ Destination Destination::of(const fs::path& path) {
   d.dir = Directory::open(target.parent_path());
   d.path = target;
   d.shown = target == path ? path.string() : cat(path.string(), " (a link to ", target.string(), ")");
+  if (!follow) {
+    const std::optional<FileStatus> st = d.dir.status(d.name);
+    require(!st || st->kind != FileKind::symlink, Errc::invalid_argument, "cannot save to ", d.shown,
+            ": it is a symbolic link, and this save follows none (the name is fixed, not the user's)");
+  }
   d.require_replaceable();
   return d;
 }

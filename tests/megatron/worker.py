@@ -1,4 +1,4 @@
-"""One process of a gloo job under megatron-core 0.16 and torch 2.x (tests/megatron/test_megatron.py):
+"""One process of a gloo job under megatron-core 0.16 or 0.19 and torch 2.x (tests/megatron/test_megatron.py):
 runs every case named on the command line against checkpoints in DIR and writes, for each, "ok" or
 the failure's traceback to DIR/<case>.<rank>.json. Every rank builds the same reference tensors
 (values from their indices), so each checks what it loads against the whole tensor without a
@@ -6,6 +6,7 @@ collective."""
 import json
 import os
 import sys
+import time
 import warnings
 
 warnings.filterwarnings("ignore")
@@ -27,7 +28,22 @@ from support import reference, run_cases, spec_at  # noqa: E402
 
 RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 L, H, F, VOCAB = 4, 8, 12, 10
-BACKEND = ("shardckpt", 1)
+# megatron-core 0.16 registers the backend by name; 0.18 and later take the strategy objects.
+NEW = not scm.REGISTRY
+BACKEND = scm.SaveStrategy() if NEW else ("shardckpt", 1)
+
+
+def load(sd, path, **kwargs):
+    """dist_checkpointing.load as a user of this Megatron writes it: on 0.19 with the strategy object
+    for a shardckpt checkpoint; on 0.16 without one (Megatron finds ours in metadata.json)."""
+    if NEW and "sharded_strategy" not in kwargs and scm._ours(path):
+        kwargs["sharded_strategy"] = scm.LoadStrategy()
+    return dist_checkpointing.load(sd, path, **kwargs)
+
+
+def common_files():
+    """What Megatron itself writes beside the backend's file: common.pt up to 0.17."""
+    return [] if NEW else ["common.pt"]
 
 
 def ref(shape, dtype=torch.float32, base=0):
@@ -205,7 +221,7 @@ def case_model(d):
     dist_checkpointing.save(model_state(save_lay, flat_split=even), ours, sharded_strategy=BACKEND)
     dist_checkpointing.save(model_state(save_lay, flat_split=even), theirs)
     names = sorted(os.listdir(ours))
-    if names != ["common.pt", "metadata.json", scm.FILE_NAME]:
+    if names != sorted(common_files() + ["metadata.json", scm.FILE_NAME]):
         raise AssertionError(f"checkpoint directory holds {names}")
     with open(os.path.join(ours, "metadata.json")) as f:
         if json.load(f)["sharded_backend"] != "shardckpt":
@@ -214,13 +230,13 @@ def case_model(d):
     for lay, flat in ((Layout(4), None), (Layout(1), None), (Layout(2, pp=2), None), (Layout(2), uneven)):
         same = lay.tp == save_lay.tp and lay.pp == save_lay.pp
         for path in (ours, theirs):
-            loaded = dist_checkpointing.load(model_state(lay, fill=False, flat_split=flat, rng=same), path)
+            loaded = load(model_state(lay, fill=False, flat_split=flat, rng=same), path)
             try:
                 check_model(lay, loaded, save_lay.tp, flat, rng=same)
             except AssertionError as e:
                 raise AssertionError(f"{path} at TP {lay.tp} PP {lay.pp}: {e}") from None
     # What load_tensors_metadata and load_sharded_metadata return, as torch_dist's do.
-    mine = dist_checkpointing.load_tensors_metadata(ours)
+    mine = dist_checkpointing.load_tensors_metadata(ours, *([scm.LoadStrategy()] if NEW else []))
     other = torch_dist_tensors_metadata(theirs)
     if set(mine) != set(other):
         raise AssertionError(f"tensor keys {sorted(mine)} != torch_dist's {sorted(other)}")
@@ -230,8 +246,9 @@ def case_model(d):
     from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-    objects = {k for k, v in load_sharded_metadata(ours).items() if isinstance(v, ShardedObject)}
-    want = {f"rng_state/shard_0.{t}_1.2" for t in range(2)}
+    objects = {k for k, v in load_sharded_metadata(ours, *([scm.LoadStrategy()] if NEW else [])).items()
+               if isinstance(v, ShardedObject)}
+    want = {f"rng_state/shard_0.{t}_1.2" for t in range(2)} | ({"common_state/shard_0_1"} if NEW else set())
     want |= {f"optimizer.distributed.dp_group_idx_{t}.param_groups/shard_0_1" for t in range(2)}
     td = {k for k, v in FileSystemReader(theirs).read_metadata().state_dict_metadata.items()
           if isinstance(v, BytesStorageMetadata)}
@@ -284,7 +301,7 @@ def case_gtp(d):
         for tp, gtp, align in ((1, 4, 8), (4, 1, 16), (2, 2, 16)):
             p2, s2, weight = gtp_state(tp, gtp, align, fill=False)
             want = p2.shard_of(weight)
-            dist_checkpointing.load(scm.gtp_sharded_state_dict(p2, prefix="decoder.layers.0.mixer."), path)
+            load(scm.gtp_sharded_state_dict(p2, prefix="decoder.layers.0.mixer."), path)
             expect_equal(s2, want, f"{name}: shard at TP {tp} x GTP {gtp} (alignment {align})")
     if RANK == 0:
         import h5py
@@ -341,17 +358,18 @@ def case_bad(d):
     req = model_state(lay, fill=False)
     if RANK == 2:
         req["extra"] = ShardedTensor.from_rank_offsets("no.such.key", torch.zeros(2))
-    expect_raised(lambda: dist_checkpointing.load(req, path), CheckpointingException, ["no.such.key"])
+    expect_raised(lambda: load(req, path), CheckpointingException, ["no.such.key"])
     req = model_state(lay, fill=False)  # another global shape, on every rank (Megatron's check sees one)
     sh = req["decoder.final_layernorm.weight"]
     req["decoder.final_layernorm.weight"] = ShardedTensor.from_rank_offsets(sh.key, torch.zeros(H + 1),
                                                                             replica_id=sh.replica_id)
-    expect_raised(lambda: dist_checkpointing.load(req, path), CheckpointingException,
+    expect_raised(lambda: load(req, path), CheckpointingException,
                   ["decoder.final_layernorm.weight", "mismatch"])
     # A checkpoint of another backend, named with ours.
     other = fresh(d, "other")
     dist_checkpointing.save(model_state(lay), other)
-    expect_raised(lambda: dist_checkpointing.load(model_state(lay, fill=False), other, sharded_strategy=BACKEND),
+    expect_raised(lambda: dist_checkpointing.load(model_state(lay, fill=False), other,
+                                                  sharded_strategy=scm.LoadStrategy() if NEW else BACKEND),
                   CheckpointingException, ["torch_dist"])
     # A changed byte is found by the checksums, on every rank.
     dist.barrier()
@@ -365,8 +383,218 @@ def case_bad(d):
             f.seek(offset)
             f.write(bytes([b[0] ^ 0xFF]))
     dist.barrier()
-    expect_raised(lambda: dist_checkpointing.load(model_state(lay, fill=False), path), CheckpointingException,
+    expect_raised(lambda: load(model_state(lay, fill=False), path), CheckpointingException,
                   ["decoder.final_layernorm.weight"])
+
+
+def case_found(d):
+    """What Megatron's own dist_checkpointing tests found: parts with no elements are nobody's
+    replicas (ranks 2 and 3 hold empty parts at one offset, each with replica_id 0); two keys load
+    into views of one tensor (a factory builds three keys over its tensor), as torch_dist loads them;
+    destinations that overlap at other rows are refused, naming both keys. Both backends alike."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+    n = 30
+    for save_split, load_split in (([0, 10, 30, 30, 30], [0, 0, 5, 25, 30]), ([0, 30, 30, 30, 30], [0, 7, 7, 30, 30])):
+        for backend, name in ((BACKEND, "empty.sc"), (None, "empty.td")):
+            path = fresh(d, f"{name}.{save_split[1]}")
+            b, e = save_split[RANK], save_split[RANK + 1]
+            full = ref((n,), base=7)
+            sd = {"a": ShardedTensor("a", full[b:e].clone(), torch.float32, (e - b,), (n,), (b,),
+                                     axis_fragmentations=None, replica_id=0)}
+            dist_checkpointing.save(sd, path, sharded_strategy=backend, validate_access_integrity=False)
+            b, e = load_split[RANK], load_split[RANK + 1]
+            req = {"a": ShardedTensor("a", torch.zeros(e - b), torch.float32, (e - b,), (n,), (b,),
+                                      axis_fragmentations=None, replica_id=0)}
+            got = load(req, path, validate_access_integrity=False)
+            expect_equal(got["a"], full[b:e], f"{name}: part [{b}, {e}) of a split {save_split}")
+    # A tensor with no elements at all still gets its dataset, declared once.
+    path = fresh(d, "empty.whole")
+    dist_checkpointing.save({"z": ShardedTensor.from_rank_offsets("z", torch.zeros(0), replica_id=0)}, path,
+                            sharded_strategy=BACKEND, validate_access_integrity=False)
+    got = load({"z": ShardedTensor.from_rank_offsets("z", torch.zeros(0))}, path, validate_access_integrity=False)
+    expect_equal(got["z"], torch.zeros(0), "a tensor without elements")
+
+    def build(key, tensor, replica_id, flattened_range):
+        return [ShardedTensor.from_rank_offsets(key + f"part{i}", tensor, replica_id=replica_id) for i in (1, 2, 3)]
+
+    def state(base):
+        return {"all": [ShardedTensor.from_rank_offsets("A", torch.arange(2) + base, replica_id=RANK),
+                        ShardedTensorFactory("D", torch.arange(5) + base, build, sum, replica_id=RANK)]}
+
+    for backend, name in ((BACKEND, "alias.sc"), (None, "alias.td")):
+        path = fresh(d, name)
+        dist_checkpointing.save(state(0), path, sharded_strategy=backend)
+        got = load(state(10), path)
+        expect_equal(got["all"][0], torch.arange(2), f"{name}: A")
+        expect_equal(got["all"][1], 3 * torch.arange(5), f"{name}: D, the sum of its three keys")
+    # Views that overlap at other rows: D1's rows 2..5 are D2's rows 0..3.
+    path = os.path.join(d, "alias.sc")
+    for dtype in (torch.int64, torch.float32):  # the checkpoint's dtype (filled in place), another (through copies)
+        t = torch.zeros(6, dtype=dtype)
+        req = {"x": ShardedTensor.from_rank_offsets("Dpart1", t[0:5]),
+               "y": ShardedTensor.from_rank_offsets("Dpart2", t[1:6])}
+        expect_raised(lambda: load(req, path, validate_access_integrity=False), CheckpointingException,
+                      ["Dpart1", "Dpart2"])
+
+
+class Secret:
+    """A class no safe-globals list names: unpickling it runs code of the checkpoint's choosing."""
+
+    def __init__(self, v):
+        self.v = v
+
+
+def case_guards(d):
+    """The backend's own guards: a link planted at the backend's fixed file name is refused and its
+    target untouched; ShardedObjects are unpickled with weights_only=True unless the caller says
+    otherwise; on 0.19, a load with another strategy names ours, verify_integrity=True works and
+    Megatron's fully parallel wrappers work around our strategies."""
+    lay = Layout(2)
+    path = fresh(d, "planted")
+    victim = os.path.join(d, "victim.txt")
+    if RANK == 0:
+        with open(victim, "w") as f:
+            f.write("keep me")
+        os.symlink(victim, os.path.join(path, scm.FILE_NAME))
+    dist.barrier()
+    expect_raised(lambda: dist_checkpointing.save(model_state(lay), path, sharded_strategy=BACKEND),
+                  CheckpointingException, [scm.FILE_NAME, "symbolic link"])
+    with open(victim) as f:
+        if f.read() != "keep me":
+            raise AssertionError("the save wrote through the planted link")
+    # A ShardedObject of a class outside the safe globals.
+    path = fresh(d, "objects")
+    sd = {"o": ShardedObject("o", Secret(RANK), (WORLD,), (RANK,), replica_id=0)}
+    dist_checkpointing.save(sd, path, sharded_strategy=BACKEND)
+    req = {"o": ShardedObject("o", None, (WORLD,), (RANK,), replica_id=0)}
+    strict = scm.LoadStrategy()
+    expect_raised(lambda: dist_checkpointing.load(req, path, sharded_strategy=strict if NEW else BACKEND),
+                  CheckpointingException, ["ShardedObject o/shard_", "weights_only=False"])
+    req = {"o": ShardedObject("o", None, (WORLD,), (RANK,), replica_id=0)}
+    got = dist_checkpointing.load(req, path, sharded_strategy=scm.LoadStrategy(weights_only=False))
+    if not isinstance(got["o"], Secret) or got["o"].v != RANK:
+        raise AssertionError(f"weights_only=False: {got['o']!r}")
+    if not NEW:
+        return
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (FullyParallelLoadStrategyWrapper,
+                                                                            FullyParallelSaveStrategyWrapper)
+    path = fresh(d, "guarded")
+    dist_checkpointing.save(model_state(lay), path, sharded_strategy=scm.SaveStrategy(), verify_integrity=True)
+    names = sorted(os.listdir(path))
+    if not any("integrity" in n or "manifest" in n for n in names) or any(n.endswith(".distcp") for n in names):
+        raise AssertionError(f"the directory holds {names}")
+    for what, call in (("dist_checkpointing.load", lambda: dist_checkpointing.load(model_state(lay, fill=False), path)),
+                       ("load_tensors_metadata", lambda: dist_checkpointing.load_tensors_metadata(path)),
+                       ("load_sharded_metadata", lambda: dist_checkpointing.serialization.load_sharded_metadata(path))):
+        expect_raised(call, CheckpointingException, [what, "shardckpt.megatron.LoadStrategy()"])
+    check_model(lay, dist_checkpointing.load(model_state(lay, fill=False), path, sharded_strategy=scm.LoadStrategy(),
+                                             verify_integrity=True), 2)
+    # A byte changed after the save: Megatron's manifest check fails the load before ours reads.
+    dist.barrier()
+    if RANK == 0:
+        with open(os.path.join(path, scm.FILE_NAME), "r+b") as f:
+            f.seek(-1, 2)
+            b = f.read(1)
+            f.seek(-1, 2)
+            f.write(bytes([b[0] ^ 1]))
+    dist.barrier()
+    expect_raised(lambda: dist_checkpointing.load(model_state(lay, fill=False), path, sharded_strategy=scm.LoadStrategy(),
+                                                  verify_integrity=True), CheckpointingException, [])
+    # Megatron's fully parallel wrappers around our strategies.
+    path = fresh(d, "parallel")
+    dist_checkpointing.save(model_state(lay, flat_split=even), path,
+                            sharded_strategy=FullyParallelSaveStrategyWrapper(scm.SaveStrategy(), backend=scm.BACKEND))
+    with open(os.path.join(path, "metadata.json")) as f:
+        if json.load(f)["sharded_backend"] != "shardckpt":
+            raise AssertionError("metadata.json does not name the backend")
+    for lay2, flat in ((Layout(2), even), (Layout(4), None)):
+        got = dist_checkpointing.load(model_state(lay2, fill=False, flat_split=flat, rng=lay2.tp == 2), path,
+                                      sharded_strategy=FullyParallelLoadStrategyWrapper(
+                                          scm.LoadStrategy(), exchange_algo="gather_object"))  # broadcast: CUDA only
+        check_model(lay2, got, 2, flat_split=flat, rng=lay2.tp == 2)
+
+
+def versioned(v, fill=True):
+    """A small state whose values say which save `v` wrote them."""
+    w = (torch.arange(64, dtype=torch.float32).reshape(16, 4) + 1000 * v) if fill else torch.zeros(16, 4)
+    return {"w": ShardedTensor.from_rank_offsets("w", w[RANK * 4:(RANK + 1) * 4].clone() if fill else torch.zeros(4, 4),
+                                                 (0, RANK, WORLD)),
+            "o": ShardedObject("o", {"v": v, "rank": RANK} if fill else None, (WORLD,), (RANK,), replica_id=0),
+            "step": v}
+
+
+def loaded_version(path):
+    got = load(versioned(0, fill=False), path)
+    v = got["step"]
+    want = (torch.arange(64, dtype=torch.float32).reshape(16, 4) + 1000 * v)[RANK * 4:(RANK + 1) * 4]
+    expect_equal(got["w"], want, f"w of save {v}")
+    if got["o"] != {"v": v, "rank": RANK}:
+        raise AssertionError(f"o of save {v}: {got['o']}")
+    return v
+
+
+def case_async(d):
+    """0.19: async saves through Megatron's own AsyncCallsQueue (async_strategy "mcore", and "nvrx"
+    where nvidia-resiliency-ext imports): the tensors may change once dist_checkpointing.save returns;
+    metadata.json appears only at finalization; a load meanwhile gets the previous checkpoint or the
+    new one whole; finalization makes the new one loadable; a save that fails fails on every rank."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+    strategies = ["mcore"]
+    try:
+        import nvidia_resiliency_ext.checkpointing.async_ckpt.core as nvrx
+        strategies.append("nvrx")
+    except ImportError:
+        nvrx = None
+    for i, async_strategy in enumerate(strategies):
+        # nvrx's persistent worker process picks a CUDA device (rank % device_count): none here, so
+        # its forking caller, as Megatron's own queue uses by default.
+        queue = nvrx.AsyncCallsQueue(persistent=False) if async_strategy == "nvrx" else AsyncCallsQueue()
+        strategy = scm.SaveStrategy()
+        fresh_path = fresh(d, f"async.fresh.{async_strategy}")
+        path = fresh(d, f"async.{async_strategy}")
+        dist_checkpointing.save(versioned(1), path, sharded_strategy=scm.SaveStrategy())
+        last = {path: 1}
+        for v, where in ((2, fresh_path), (3, path), (4, path)):
+            sd = versioned(v)
+            request = dist_checkpointing.save(sd, where, sharded_strategy=strategy, async_sharded_save=True,
+                                              async_strategy=async_strategy)
+            sd["w"].data.fill_(-1)  # staged: the save no longer reads the tensor
+            if where == fresh_path and os.path.exists(os.path.join(where, "metadata.json")):
+                raise AssertionError("metadata.json before finalization")
+            queue.schedule_async_request(request)
+            if where == path:  # the previous save or the new one, whole; or, racing its commit, refused
+                for _ in range(3):
+                    try:
+                        seen = loaded_version(path)
+                        break
+                    except CheckpointingException as e:
+                        if "replaced since it was opened" not in str(e):
+                            raise
+                else:
+                    raise AssertionError("three loads in a row raced a commit")
+                if seen not in (last[path], v):
+                    raise AssertionError(f"during save {v}: save {seen} loaded")
+            while not queue.maybe_finalize_async_calls(blocking=False):
+                time.sleep(0.01)
+            if loaded_version(where) != v:
+                raise AssertionError(f"after finalization: not save {v}")
+            last[where] = v
+        # A save that cannot commit (a directory stands at the file's name) fails on every rank, at
+        # dist_checkpointing.save or at finalization, and writes no metadata.json.
+        gone = fresh(d, f"async.gone.{async_strategy}")
+        if RANK == 0:
+            os.mkdir(os.path.join(gone, scm.FILE_NAME))
+        dist.barrier()
+
+        def failing():
+            request = dist_checkpointing.save(versioned(5), gone, sharded_strategy=strategy, async_sharded_save=True,
+                                              async_strategy=async_strategy)
+            queue.schedule_async_request(request)
+            queue.maybe_finalize_async_calls(blocking=True)
+        expect_raised(failing, CheckpointingException, ["async.gone", "directory"])
+        if os.path.exists(os.path.join(gone, "metadata.json")):
+            raise AssertionError("metadata.json of a failed save")
+        queue.close()
 
 
 def gpt(tp, seed):
@@ -397,7 +625,7 @@ def case_gpt(d):
         for path in (ours, theirs):
             m = gpt(tp, seed=100 + tp)
             before = {k: v.detach().clone() for k, v in m.state_dict().items() if isinstance(v, torch.Tensor)}
-            m.load_state_dict(dist_checkpointing.load(m.sharded_state_dict(), path), strict=False)
+            m.load_state_dict(load(m.sharded_state_dict(), path), strict=False)
             got[path] = {k: v.detach().clone() for k, v in m.state_dict().items() if isinstance(v, torch.Tensor)}
         # Biases and norms start as constants in both models; every matrix starts elsewhere.
         same = [k for k in before if before[k].dim() >= 2 and torch.equal(before[k], got[ours][k])]
@@ -411,7 +639,8 @@ def case_gpt(d):
     parallel_state.destroy_model_parallel()
 
 
-CASES = {"model": case_model, "gtp": case_gtp, "bad": case_bad, "gpt": case_gpt}
+CASES = {"model": case_model, "gtp": case_gtp, "bad": case_bad, "gpt": case_gpt, "found": case_found,
+         "guards": case_guards, "async": case_async}
 
 
 def main():
