@@ -38,7 +38,8 @@ MiB = 1 << 20
 OUTPUTS = ("job.json", "single.json", "dcp-save", "dcp-async", "shardckpt-save.h5", "shardckpt-async.h5",
            "model.safetensors", "whole.h5", "storage.json", "storage-fs.json", "storage-shardckpt.json",
            "storage-fs", "storage-shardckpt.h5", "megatron.json", "megatron-torch_dist.json",
-           "megatron-shardckpt.json", "megatron-torch_dist", "megatron-torch_dist_fp", "megatron-shardckpt")
+           "megatron-shardckpt.json", "megatron-torch_dist", "megatron-torch_dist_fp", "megatron-shardckpt",
+           "megatron-torch_dist_async", "megatron-shardckpt_async")
 
 
 def arguments(argv):
@@ -164,7 +165,10 @@ def run_storage(o):
 
 def run_megatron(o):
     """Megatron's torch_dist, alone and fully parallel, and the shardckpt backend (bench/peers/megatron.py)."""
-    return run_phase(o, "megatron", ("torch_dist", "torch_dist_fp", "shardckpt"), ("torch_dist", "shardckpt"))
+    import importlib.util
+    registry = importlib.util.find_spec("megatron.core.dist_checkpointing.strategies.base") is not None
+    sides = ("torch_dist", "torch_dist_fp", "shardckpt") + (() if registry else ("torch_dist_async", "shardckpt_async"))
+    return run_phase(o, "megatron", sides, ("torch_dist", "shardckpt"))
 
 
 def report_of(o, job, one, storage, megatron=None):

@@ -1,17 +1,21 @@
 """Megatron-core's torch_dist backend against shardckpt's under the same dist_checkpointing.save /
-load calls (megatron-core 0.16): one gloo job (4 processes by default) at TP 2 x DP (world / 2)
+load calls (megatron-core 0.16 or 0.19): one gloo job (4 processes by default) at TP 2 x DP (world / 2)
 holding the storage phase's model (bench/peers/storage.py: GPT-2 small's shapes, bf16 weights, f32
 norms, Adam's two f32 moments) as Megatron's layers describe it: layer-stacked ShardedTensors
 (prepend_axis_num=1, one per layer), column-parallel weights split on dim 1, row-parallel ones on
 their last dim, norms replicated over TP, everything replicated over DP (replica_id (0, 0, dp)).
 Sides: "torch_dist" (Megatron's default), "torch_dist_fp" (the same wrapped in
 FullyParallelSaveStrategyWrapper over the DP group, as megatron/training's --ckpt-fully-parallel-save
-does) and "shardckpt". Interleaved rounds, the page cache dropped before each phase; rank 0 times
-every phase from a barrier to a barrier."""
+does) and "shardckpt"; on 0.18 and later also "torch_dist_async" and "shardckpt_async": the same
+saves with async_sharded_save=True through Megatron's AsyncCallsQueue (async_strategy "mcore"),
+timed whole (to the finalization) and, as megatron_<side>_blocking, the part the caller waits for
+(dist_checkpointing.save and schedule_async_request, the slowest rank's). Interleaved rounds, the
+page cache dropped before each phase; rank 0 times every phase from a barrier to a barrier."""
 import dataclasses
 import json
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -25,11 +29,11 @@ from megatron.core.dist_checkpointing import ShardedTensor  # noqa: E402
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy  # noqa: E402
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper  # noqa: E402
 
-import shardckpt.megatron  # noqa: E402,F401  (registers the backend)
+import shardckpt.megatron as scm  # noqa: E402
 
 from . import storage, system  # noqa: E402
 
-SIDES = ("torch_dist", "torch_dist_fp", "shardckpt")
+SIDES = ("torch_dist", "torch_dist_fp", "shardckpt") + (() if scm.REGISTRY else ("torch_dist_async", "shardckpt_async"))
 TP = 2
 
 
@@ -86,28 +90,58 @@ class Job(system.Rounds):
         self.dp_group = groups[self.tp_rank]
         self.meter, self.records, self.mismatches = system.PeakMeter(), {}, []
         self.isolated = isolated
+        self.queue = None
+        self.async_strategy = scm.SaveStrategy()  # one per job, as a trainer keeps it (its saver's budget)
 
     def path(self, side):
         return os.path.join(self.dir, f"megatron-{side}")
 
     def strategy(self, side):
         if side == "shardckpt":
-            return ("shardckpt", 1)
+            return scm.SaveStrategy()
+        if side == "shardckpt_async":
+            return self.async_strategy
         base = get_default_save_sharded_strategy()
+        if side == "torch_dist_async":
+            return base
         return base if side == "torch_dist" else FullyParallelSaveStrategyWrapper(base, self.dp_group)
 
     def local_bytes(self):
         return sum(sh.data.nbytes for sh in self.source.values())
 
     def save(self, side):
+        if side.endswith("_async"):
+            return self.save_async(side)
         self.timed(f"megatron_{side}_save", lambda: dist_checkpointing.save(
             fresh(self.source), self.path(side), sharded_strategy=self.strategy(side)), old=self.path(side),
             recreate=True)  # Megatron saves into an existing directory
 
+    def save_async(self, side):
+        """An async save through Megatron's queue: the whole phase timed to the finalization, and what
+        the caller waits for (save and schedule) on the slowest rank."""
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+        if self.queue is None:
+            self.queue = AsyncCallsQueue()
+        blocked = []
+
+        def fn():
+            t0 = time.perf_counter()
+            request = dist_checkpointing.save(fresh(self.source), self.path(side), sharded_strategy=self.strategy(side),
+                                              async_sharded_save=True, async_strategy="mcore")
+            self.queue.schedule_async_request(request)
+            blocked.append(time.perf_counter() - t0)
+            self.queue.maybe_finalize_async_calls(blocking=True)
+        self.timed(f"megatron_{side}_save", fn, old=self.path(side), recreate=True)
+        slowest = torch.tensor([blocked[0]], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        self.records.setdefault(f"megatron_{side}_blocking", []).append(
+            {"seconds": float(slowest.item()), "peak_extra": 0, "peak": 0})
+
     def load(self, side, timed=True):
         for sh in self.dest.values():
             sh.data.reshape(-1).view(torch.uint8).fill_(0xff)
-        fn = lambda: dist_checkpointing.load(fresh(self.dest), self.path(side))  # noqa: E731
+        strategy = {"sharded_strategy": scm.LoadStrategy()} if side.startswith("shardckpt") else {}
+        fn = lambda: dist_checkpointing.load(fresh(self.dest), self.path(side), **strategy)  # noqa: E731
         self.timed(f"megatron_{side}_load", fn) if timed else fn()
         for k, sh in self.source.items():
             if not torch.equal(sh.data.view(torch.uint8), self.dest[k].data.view(torch.uint8)):
@@ -115,8 +149,8 @@ class Job(system.Rounds):
                 break
 
     def run(self, sides, rounds, read_rounds):
-        # The wrapper's checkpoint is torch_dist's format: its loads are torch_dist's.
-        return super().run(sides, rounds, read_rounds, loads=[s for s in sides if s != "torch_dist_fp"])
+        # The wrapper's and the async sides' checkpoints are their base's format: their loads are its.
+        return super().run(sides, rounds, read_rounds, loads=[s for s in sides if s in ("torch_dist", "shardckpt")])
 
 
 def main(size_bytes, directory, rounds, read_rounds, out_path, sides=SIDES):

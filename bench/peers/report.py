@@ -176,10 +176,20 @@ def megatron(report, runs):
               seconds(ph, "megatron_shardckpt_save"), "torch_dist fully parallel s / shardckpt s")
     add_ratio(report, "megatron_load_ratio", seconds(ph, "megatron_torch_dist_load"),
               seconds(ph, "megatron_shardckpt_load"), "torch_dist s / shardckpt s")
+    if "megatron_shardckpt_async_save" in ph:  # megatron-core 0.18 and later: async saves through its queue
+        for side in ("torch_dist_async", "shardckpt_async"):
+            add_phase(report, ph, f"megatron_{side}_save", nbytes, f"megatron_{side}_save")
+            b = seconds(ph, f"megatron_{side}_blocking")
+            report.add(f"megatron_{side}_blocking_s", statistics.median(b), (min(b), max(b)),
+                       note="the caller's wait: dist_checkpointing.save and schedule_async_request, slowest rank")
+        add_ratio(report, "megatron_async_blocking_ratio", seconds(ph, "megatron_torch_dist_async_blocking"),
+                  seconds(ph, "megatron_shardckpt_async_blocking"), "torch_dist's blocking s / shardckpt's")
+        add_ratio(report, "megatron_async_save_ratio", seconds(ph, "megatron_torch_dist_async_save"),
+                  seconds(ph, "megatron_shardckpt_async_save"), "torch_dist s / shardckpt s, to the finalization")
     for side in ("torch_dist", "shardckpt"):
         alone = runs[f"megatron-{side}"]
         report.add(f"megatron_{side}_maxrss_extra_bytes", alone["maxrss_extra"],
                    note="per rank, ru_maxrss above RSS before, this backend alone")
-    for side in ("torch_dist", "torch_dist_fp", "shardckpt"):
+    for side in [s for s in ("torch_dist", "torch_dist_fp", "shardckpt") if s in both["disk"]]:
         report.add(f"megatron_{side}_bytes_on_disk", both["disk"][side]["bytes"])
         report.add(f"megatron_{side}_files", both["disk"][side]["files"])

@@ -386,18 +386,33 @@ class LoadStrategy(_LoadBase):
     tensors Megatron hands it. `options`: shardckpt.load_into's (method, verify_checksums=True,
     bypass_page_cache=False). `weights_only`: how ShardedObjects (and, on 0.19, the common state) are
     unpickled: True (torch.load's restricted unpickler, with Megatron's safe globals), False only for
-    a checkpoint whose pickles you trust (they can run any code)."""
+    a checkpoint whose pickles you trust (they can run any code).
 
-    def __init__(self, weights_only=True, **options):
-        _LoadBase.__init__(self)
+    On megatron-core 0.18 and later it is also a drop-in for Megatron's TorchDistLoadShardedStrategy
+    (it takes its arguments: cache_metadata, stream_ckpt_dequant, checkpoint_name): a directory that
+    holds a torch_dist checkpoint is loaded by torch_dist's own code, so megatron/training can build
+    this class wherever it builds that one."""
+
+    def __init__(self, weights_only=True, cache_metadata=False, stream_ckpt_dequant=False, checkpoint_name=None,
+                 **options):
+        if REGISTRY:
+            _LoadBase.__init__(self)
+        else:
+            _LoadBase.__init__(self, cache_metadata=cache_metadata, stream_ckpt_dequant=stream_ckpt_dequant,
+                               checkpoint_name=checkpoint_name)
         unknown = sorted(set(options) - {"method", "verify_checksums", "bypass_page_cache"})
         if unknown:
             raise TypeError(f"shardckpt.megatron.LoadStrategy: unknown options {unknown} (method, verify_checksums, "
                             "bypass_page_cache, weights_only)")
         self._options = options
         self._weights_only = bool(weights_only)
-        # 0.19: Megatron dequantizes FP8 destinations before a strategy without streaming dequantization.
+        # 0.19: Megatron dequantizes FP8 destinations before a strategy without streaming dequantization
+        # (the library stores no FP8); torch_dist's code, for its own directories, copes either way.
         self.stream_ckpt_dequant = False
+
+    def _theirs(self, checkpoint_dir):
+        """0.18 and later: a directory of another backend, which Megatron's torch_dist code loads."""
+        return not REGISTRY and not _ours(checkpoint_dir)
 
     @property
     def can_handle_sharded_objects(self):
@@ -472,6 +487,8 @@ class LoadStrategy(_LoadBase):
 
     def load(self, sharded_state_dict, checkpoint_dir, *args):
         from . import load_into
+        if self._theirs(checkpoint_dir):
+            return super().load(sharded_state_dict, checkpoint_dir, *args)
         group = default_group(None)
         state, copy_back, object_reads, failure = _core.StateDict(), [], [], None
         path = _path(checkpoint_dir)
@@ -546,6 +563,8 @@ class LoadStrategy(_LoadBase):
     def load_tensors_metadata(self, checkpoint_dir, metadata=None):
         """Each tensor's global shape and dtype, as Megatron's torch_dist strategy gives them: a
         ShardedTensor without data and without sharding per key (ShardedObjects left out)."""
+        if self._theirs(checkpoint_dir):
+            return super().load_tensors_metadata(checkpoint_dir, metadata)
         _, datasets, objects, bytes_as, _ = self._contents(checkpoint_dir)
         out = {}
         for key, info in datasets.items():
@@ -557,6 +576,8 @@ class LoadStrategy(_LoadBase):
 
     def load_sharded_metadata(self, checkpoint_dir):
         """load_tensors_metadata's tensors and each ShardedObject, keyed by its unique key, without data."""
+        if self._theirs(checkpoint_dir):
+            return super().load_sharded_metadata(checkpoint_dir)
         _, _, objects, _, _ = self._contents(checkpoint_dir)
         out = {}
         for unique_key in objects.values():
@@ -566,6 +587,8 @@ class LoadStrategy(_LoadBase):
         return out
 
     def remove_sharded_tensors(self, checkpoint_dir, key_prefix):
+        if self._theirs(checkpoint_dir):
+            return super().remove_sharded_tensors(checkpoint_dir, key_prefix)
         raise CheckpointingException(f"{_path(checkpoint_dir)}: a shardckpt checkpoint is one sealed file; removing "
                                      f"the tensors under {key_prefix!r} from it is not supported (save the state "
                                      "dict without them instead)")
