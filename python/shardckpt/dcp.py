@@ -128,7 +128,7 @@ class Writer(_Path, StorageWriter):
             shared = plan.storage_data if isinstance(plan.storage_data, dict) else {"bytes": [], "planner_data": {}}
             state.add_common(BYTES_KEY, json.dumps(shared["bytes"], separators=(",", ":")))
             state.add_common(PLANNER_DATA_KEY, json.dumps(shared["planner_data"], separators=(",", ":")))
-        except (TypeError, ValueError, _core.Error) as e:
+        except Exception as e:  # noqa: BLE001 - any refusal (a value DCP cannot pickle, say) is voted on
             failure = e
         agree(group, failure)
         save(state, _plain_path(self.path), group, **self._options)
@@ -141,10 +141,17 @@ class Writer(_Path, StorageWriter):
 class Reader(_Path, StorageReader):
     """A DCP StorageReader of the shardckpt checkpoint at `path`: one written by Writer, a native
     shardckpt checkpoint or an adopted safetensors one. `options`: shardckpt.load_into's (method,
-    verify_checksums=True, bypass_page_cache=False)."""
+    verify_checksums=True, bypass_page_cache=False).
 
-    def __init__(self, path=None, **options):
+    DCP unpickles the bytes items a Reader hands it (torch.load with weights_only=False in its
+    DefaultLoadPlanner): a checkpoint's bytes items run whatever code their author put in them.
+    bytes_items=False refuses to hand any over (a shardckpt.Error naming the item and the file, before
+    its bytes are read): for checkpoints you do not trust, whose state dicts hold tensors and plain
+    values only."""
+
+    def __init__(self, path=None, bytes_items=True, **options):
         super().__init__(path, options)
+        self._bytes_items = bool(bytes_items)
         self._datasets = {}
         self._id = None  # the checkpoint_id of the file read_metadata read
 
@@ -165,11 +172,18 @@ class Reader(_Path, StorageReader):
         info = inspect(path)
         self._id = info["checkpoint_id"]
         try:
-            byte_keys = set(json.loads(info["common"].get(BYTES_KEY, "[]")))
-            planner_data = {k: tuple(v) for k, v in json.loads(info["common"].get(PLANNER_DATA_KEY, "{}")).items()}
-        except (ValueError, AttributeError, TypeError) as e:
+            byte_keys = json.loads(info["common"].get(BYTES_KEY, "[]"))
+            if not isinstance(byte_keys, list) or not all(isinstance(k, str) for k in byte_keys):
+                raise ValueError(f"{BYTES_KEY} is not a list of keys")
+            byte_keys = set(byte_keys)
+            raw = json.loads(info["common"].get(PLANNER_DATA_KEY, "{}"))
+            if not isinstance(raw, dict) or not all(isinstance(v, list) and all(isinstance(p, (str, int)) for p in v)
+                                                    for v in raw.values()):
+                raise ValueError(f"{PLANNER_DATA_KEY} is not a map of key paths")
+            planner_data = {k: tuple(v) for k, v in raw.items()}
+        except (ValueError, AttributeError, TypeError, RecursionError) as e:
             raise _core.Error(f"{path}: the common value {BYTES_KEY!r} or {PLANNER_DATA_KEY!r} is not what "
-                              f"shardckpt.dcp.Writer writes ({e})") from None
+                              f"shardckpt.dcp.Writer writes ({type(e).__name__}: {str(e)[:200]})") from None
         entries = {}
         self._datasets = {}
         for t in info["tensors"]:
@@ -231,6 +245,9 @@ class Reader(_Path, StorageReader):
                     raise KeyError(f"{path}: no dataset {key!r}")
                 shape = list(info["global_shape"])
                 if req.type == LoadItemType.BYTE_IO:
+                    if not self._bytes_items:
+                        raise _core.Error(f"{path}: the bytes item {key!r} would be unpickled by DCP (weights_only="
+                                          "False), and this Reader was made with bytes_items=False")
                     into = torch.empty(shape, dtype=torch.uint8)
                     state.add(_core.ShardedTensor(key, into, shape, [0] * len(shape)))
                     after.append((req, None, into))

@@ -309,10 +309,18 @@ class SaveStrategy(_SaveBase):
     """The "shardckpt" backend's save: one collective save of the library into ckpt_dir/FILE_NAME.
     `options`: shardckpt.save's (method="raw"|"hyperslab", checksums=True). `async_host_bytes`: the host
     budget of async saves (a shardckpt.Saver's), allocated by the first one; None: that save's bytes on
-    this rank, so that an async save blocks only while this rank's bytes are copied."""
+    this rank, so that an async save blocks only while this rank's bytes are copied.
+
+    On megatron-core 0.18 and later it also takes TorchDistSaveShardedStrategy's arguments
+    (keep_only_main_replica, thread_count, cached_metadata, separation_hint, cpu_shm_mode), which
+    describe torch_dist's files and change nothing here, so that megatron/training can build this
+    class wherever it builds that one."""
+
+    _TORCH_DIST = ("keep_only_main_replica", "thread_count", "cached_metadata", "separation_hint", "cpu_shm_mode")
 
     def __init__(self, backend=BACKEND, version=VERSION, async_host_bytes=None, **options):
-        _SaveBase.__init__(self, backend, version)
+        theirs = {k: options.pop(k) for k in self._TORCH_DIST if k in options and not REGISTRY}
+        _SaveBase.__init__(self, backend, version, **theirs)
         unknown = sorted(set(options) - {"method", "checksums"})
         if unknown:
             raise TypeError(f"shardckpt.megatron.SaveStrategy: unknown options {unknown} (method, checksums, "

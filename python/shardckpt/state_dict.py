@@ -137,7 +137,17 @@ class _Tensors:
         return list(value.shape if self.kind(value) != "sharded" else value.size())
 
     def dtype(self, value, key):
-        return stored_dtype(value.dtype, key)
+        """The stored dtype's name; a TypeError naming `key` for a tensor without plain bytes here (sparse,
+        or on the meta device)."""
+        name = stored_dtype(value.dtype, key)
+        torch = _torch()
+        layout = getattr(value, "layout", torch.strided)
+        if layout != torch.strided:
+            raise TypeError(f"{key}: a tensor of layout {layout}: shardckpt saves dense (strided) tensors; "
+                            "convert it first (t.to_dense())")
+        if getattr(getattr(value, "device", None), "type", None) == "meta":
+            raise TypeError(f"{key}: a tensor on the meta device has no bytes to save or to load into")
+        return name
 
     def boxes(self, value, key):
         """This rank's parts of tensor `value` that hold elements (an uneven split leaves some ranks an
@@ -266,10 +276,53 @@ def save_state_dict(state_dict, path, group=None, **options):
         for key, value in values.items():
             state.add_common(key, value)
         state.add_common(STRUCTURE_KEY, json.dumps({"format": _FORMAT, "tree": structure}, separators=(",", ":")))
-    except (TypeError, ValueError, _core.Error) as e:
+    except Exception as e:  # noqa: BLE001 - any refusal (a DLPack error too) is voted on: no rank waits
         failure = e
     agree(group, failure)
     save(state, path, group, **options)
+
+
+# How deep a saved tree may nest: far beyond any state dict, far below Python's recursion limit.
+_MAX_DEPTH = 200
+_KINDS = {"bool", "int", "float", "str"}
+
+
+def _check_tree(node, common, datasets, depth=0):
+    """Raises ValueError unless `node` is a tree save_state_dict writes: dicts of [key, node] pairs,
+    lists and tuples of nodes, tensors named by a dataset of the checkpoint (a dtype, if any, one the
+    library stores as another's bytes), None, and leaves named by a common value of their type."""
+    if depth > _MAX_DEPTH:
+        raise ValueError(f"nested deeper than {_MAX_DEPTH}")
+    if not isinstance(node, dict) or len(node) != 1 and not ("tensor" in node and set(node) <= {"tensor", "dtype"}):
+        raise ValueError(f"a node that is {type(node).__name__}, not one of the tree's")
+    if "dict" in node:
+        items = node["dict"]
+        if not isinstance(items, list) or not all(isinstance(i, list) and len(i) == 2 and isinstance(i[0], (str, int))
+                                                  and not isinstance(i[0], bool) for i in items):
+            raise ValueError("a dict node that is not a list of [key, node] pairs")
+        for _, child in items:
+            _check_tree(child, common, datasets, depth + 1)
+    elif "list" in node or "tuple" in node:
+        items = node.get("list", node.get("tuple"))
+        if not isinstance(items, list):
+            raise ValueError("a list node that is not a list")
+        for child in items:
+            _check_tree(child, common, datasets, depth + 1)
+    elif "tensor" in node:
+        if not isinstance(node["tensor"], str) or node["tensor"] not in datasets:
+            raise ValueError(f"a tensor {str(node['tensor'])[:80]!r} the checkpoint has no dataset of")
+        if "dtype" in node and node["dtype"] not in _AS_BYTES:
+            raise ValueError(f"a tensor dtype {str(node['dtype'])[:40]!r}")
+    elif "none" in node:
+        pass
+    else:
+        kind, key = next(iter(node.items()))
+        if kind not in _KINDS or not isinstance(key, str) or key not in common:
+            raise ValueError(f"a leaf {str(kind)[:20]!r} whose common value {str(key)[:80]!r} is not in the checkpoint")
+        value = common[key]
+        expect = {"bool": int, "int": int, "float": (float, int), "str": str}[kind]
+        if not isinstance(value, expect) or isinstance(value, bool):
+            raise ValueError(f"a {kind} leaf whose common value {key!r} is a {type(value).__name__}")
 
 
 def _structure(info, path):
@@ -277,13 +330,19 @@ def _structure(info, path):
     if text is None:
         return None
     try:
+        if not isinstance(text, str):
+            raise ValueError(f"a {type(text).__name__}, not a JSON text")
         doc = json.loads(text)
-        if doc.get("format") != _FORMAT:
-            raise ValueError(f"format {doc.get('format')!r}")
-        return doc["tree"]
-    except (ValueError, KeyError, AttributeError, TypeError) as e:
+        if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
+            raise ValueError(f"format {doc.get('format') if isinstance(doc, dict) else type(doc).__name__!r}")
+        tree = doc["tree"]
+        if not isinstance(tree, dict) or "dict" not in tree:
+            raise ValueError("its tree is not a dict")
+        _check_tree(tree, info["common"], {t["key"] for t in info["tensors"]})
+        return tree
+    except (ValueError, KeyError, AttributeError, TypeError, RecursionError) as e:
         raise _core.Error(f"{os.fspath(path)}: the common value {STRUCTURE_KEY!r} is not a state dict's structure "
-                          f"written by this shardckpt ({e})") from None
+                          f"written by this shardckpt ({type(e).__name__}: {str(e)[:200]})") from None
 
 
 class _Loads:
@@ -417,7 +476,7 @@ def load_state_dict(state_dict, path, group=None, **options):
                 raise KeyError(f"{os.fspath(path)}: tensor {missing[0]} of the state dict is not in the checkpoint"
                                + (f" (nor are {len(missing) - 1} more)" if len(missing) > 1 else ""))
             result = _restore(structure, state_dict, (), loads, common)
-    except (TypeError, ValueError, KeyError, _core.Error) as e:
+    except Exception as e:  # noqa: BLE001 - any refusal is voted on: no rank waits on another's
         failure = e
     agree(group, failure)
     # The tensors from the file whose tree and common values were read above: a checkpoint another

@@ -131,5 +131,79 @@ class StateDictOneProcess(unittest.TestCase):
         self.assertEqual(loaded["step"], 11)
 
 
+    def test_tensors_without_plain_bytes_are_refused_by_key(self):
+        sparse = torch.zeros(4, 4).to_sparse()
+        self.assert_refused({"model": {"s": sparse}}, TypeError, "model.s", "layout")
+        self.assert_refused({"m": torch.empty(3, device="meta")}, TypeError, "m", "meta")
+
+    def hostile(self, value):
+        """A checkpoint whose state dict structure is `value` (a JSON text), and one tensor."""
+        state = sc.StateDict()
+        state.add(sc.ShardedTensor("w", torch.ones(2), [2], [0]))
+        state.add_common("step", 3)
+        state.add_common(sc.state_dict.STRUCTURE_KEY, value)
+        sc.save(state, self.path)
+
+    def test_a_hostile_structure_is_a_typed_error_naming_the_file(self):
+        deep = "[" * 100000 + "]" * 100000
+        cases = {
+            "a number": "1",
+            "a tree that is a number": '{"format": 1, "tree": 7}',
+            "JSON nested 100,000 deep": deep,
+            "a tree nested 100,000 deep": '{"format": 1, "tree": {"dict": [["a", ' + '{"list": [' * 5000 + ']}' * 5000 + ']]}}',
+            "a dtype torch lacks": '{"format": 1, "tree": {"dict": [["w", {"tensor": "w", "dtype": "no_such_dtype"}]]}}',
+            "a tensor the file lacks": '{"format": 1, "tree": {"dict": [["v", {"tensor": "v"}]]}}',
+            "a leaf of an unknown kind": '{"format": 1, "tree": {"dict": [["s", {"complex": "step"}]]}}',
+            "an int leaf over a str": '{"format": 1, "tree": {"dict": [["s", {"str": "step"}]]}}',
+            "a key that is a list": '{"format": 1, "tree": {"dict": [[["x"], {"none": null}]]}}',
+        }
+        for what, value in cases.items():
+            with self.subTest(what):
+                self.hostile(value)
+                with self.assertRaises(sc.Error) as c:
+                    sc.load_state_dict({"w": torch.zeros(2)}, self.path)
+                self.assertIn(self.path, str(c.exception))
+                self.assertIn(sc.state_dict.STRUCTURE_KEY, str(c.exception))
+
+    def test_a_load_racing_saves_never_mixes_two_checkpoints(self):
+        """One process saves {"w": full(g), "step": g} over and over; this one loads meanwhile: every
+        load gives one save's step and tensor, or is refused with code "replaced"; never a mix."""
+        import subprocess
+        import sys
+        import time
+        code = ("import sys, torch, shardckpt as sc\n"
+                "g = 0\n"
+                "while True:\n"
+                "    g += 1\n"
+                "    sc.save_state_dict({'model': {'w': torch.full((1024,), float(g))}, 'step': g}, sys.argv[1])\n"
+                "    if g == 1:\n"
+                "        print('saving', flush=True)\n")
+        sc.save_state_dict({"model": {"w": torch.full((1024,), 0.0)}, "step": 0}, self.path)
+        saver = subprocess.Popen([sys.executable, "-c", code, self.path], stdout=subprocess.PIPE,
+                                 stderr=subprocess.DEVNULL, text=True)
+        loads = mixes = refused = 0
+        try:
+            self.assertEqual(saver.stdout.readline().strip(), "saving")
+            end = time.monotonic() + 5
+            while time.monotonic() < end:
+                target = {"model": {"w": torch.zeros(1024)}, "step": -1}
+                try:
+                    got = sc.load_state_dict(target, self.path)
+                except sc.Error as e:
+                    self.assertIn("replaced", str(e))
+                    refused += 1
+                    continue
+                loads += 1
+                w = target["model"]["w"]
+                if not (w == float(got["step"])).all():
+                    mixes += 1
+        finally:
+            saver.kill()
+            saver.wait()
+        print(f"racing saves: {loads} loads, {refused} refused as replaced, {mixes} mixed", file=sys.stderr)
+        self.assertEqual(mixes, 0, f"{mixes} of {loads} loads mixed two saves ({refused} refused)")
+        self.assertGreater(loads, 20)
+
+
 if __name__ == "__main__":
     unittest.main()
