@@ -87,6 +87,45 @@ class OneProcess(unittest.TestCase):
             self.assertEqual({t["key"]: t["dtype"] for t in info["tensors"]}["b.c"], "bf16")
             self.assertIn("n", json.loads(info["common"][sc.dcp.BYTES_KEY]))
 
+    def test_hostile_dcp_common_values_bytes_items_and_disagreeing_ranks_are_typed_errors(self):
+        import torch.distributed.checkpoint as dcp
+        from shardckpt.dcp import BYTES_KEY, PLANNER_DATA_KEY, Reader, Writer
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "h.h5")
+            deep = "[" * 100000 + "]" * 100000
+            for key, value in ((BYTES_KEY, deep), (PLANNER_DATA_KEY, deep), (BYTES_KEY, "7"),
+                               (PLANNER_DATA_KEY, '{"a": 3}')):
+                with self.subTest(key=key, value=value[:8]):
+                    state = sc.StateDict()
+                    state.add(sc.ShardedTensor("w", torch.ones(2), [2], [0]))
+                    state.add_common(key, value)
+                    sc.save(state, path)
+                    with self.assertRaises(sc.Error) as c:
+                        Reader(path).read_metadata()
+                    self.assertIn(path, str(c.exception))
+                    self.assertIn(key, str(c.exception))
+            # bytes_items=False: DCP never gets a bytes item to unpickle.
+            dcp.save({"w": torch.ones(2), "opt": {"param_groups": [{"lr": 0.1}]}}, storage_writer=Writer(path))
+            with self.assertRaises(BaseException) as c:
+                dcp.load({"w": torch.zeros(2), "opt": {"param_groups": [{"lr": 0.0}]}},
+                         storage_reader=Reader(path, bytes_items=False))
+            self.assertIn("bytes_items=False", str(c.exception))
+            target = {"w": torch.zeros(2)}
+            dcp.load(target, storage_reader=Reader(path, bytes_items=False))  # tensors alone load
+            self.assertTrue(torch.equal(target["w"], torch.ones(2)))
+            # Ranks whose read_metadata read different checkpoints: the coordinator refuses the plan.
+            from torch.distributed.checkpoint.planner import LoadPlan
+            r = Reader(path)
+            r.read_metadata()
+            plans = [r.prepare_local_plan(LoadPlan([])) for _ in range(2)]
+            self.assertEqual(r.prepare_global_plan(plans), plans)
+            other = Reader(os.path.join(d, "other.h5"))
+            dcp.save({"w": torch.ones(2)}, storage_writer=Writer(other.path))
+            other.read_metadata()
+            with self.assertRaises(sc.Error) as c:
+                r.prepare_global_plan([plans[0], other.prepare_local_plan(LoadPlan([]))])
+            self.assertIn("different checkpoints", str(c.exception))
+
     def test_reader_reads_an_adopted_safetensors_file(self):
         import subprocess
         import torch.distributed.checkpoint as dcp

@@ -346,6 +346,22 @@ def case_bad_input(d, mesh1, mesh2):
                    "z", "complex64", kinds=(TypeError,))
     if os.path.exists(bad):
         raise AssertionError("save_state_dict with a complex tensor left a file")
+    # Refusals on one rank that used to stall the others until the group's timeout (3 minutes here):
+    # each fails every rank within seconds, naming the key, and writes nothing.
+    import time
+    for what, value, needles in (("a meta tensor", torch.empty(2, device="meta"), ["odd.t", "meta"]),
+                                 ("a sparse tensor", torch.zeros(2, 2).to_sparse(), ["odd.t", "layout"])):
+        state = {"model": {"w": torch.ones(2)}, "odd": {"t": value if RANK == 1 else torch.ones(2, 2)}}
+        t0 = time.monotonic()
+        expect_failure(f"{what} on rank 1", lambda: sc.save_state_dict(state, bad), *needles, kinds=(TypeError,))
+        if time.monotonic() - t0 > 30 or os.path.exists(bad):
+            raise AssertionError(f"{what} on rank 1: {time.monotonic() - t0:.1f} s, file left: {os.path.exists(bad)}")
+    # A value DCP cannot pickle, on rank 1 only: DCP's own FileSystemWriter fails both ranks at once.
+    state = {"w": torch.ones(2), "hook": (lambda: 0) if RANK == 1 else 0}
+    t0 = time.monotonic()
+    expect_failure("an unpicklable value on rank 1", lambda: dcp.save(state, storage_writer=Writer(bad)))
+    if time.monotonic() - t0 > 30 or os.path.exists(bad):
+        raise AssertionError(f"an unpicklable value: {time.monotonic() - t0:.1f} s, file left: {os.path.exists(bad)}")
 
 
 CASES = {name[5:]: f for name, f in globals().items() if name.startswith("case_")}
