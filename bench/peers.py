@@ -12,13 +12,17 @@ and safetensors"), in one run on one machine, on the same sharded state:
     mixed training state of DTensors (bf16 weights, f32 norms, Adam's state): bench/peers/storage.py;
   - Megatron-core's torch_dist backend (alone, and in FullyParallelSaveStrategyWrapper) against the
     "shardckpt" backend under the same dist_checkpointing.save / load, on the same state as Megatron's
-    layer-stacked ShardedTensors at TP 2 x DP 2: bench/peers/megatron.py.
+    layer-stacked ShardedTensors at TP 2 x DP 2: bench/peers/megatron.py;
+  - shardckpt.megatron.no_gather against Megatron's own gather of a GTP-sharded MambaMixer in_proj
+    (61,760 x 1,024 bf16 TP-local at GTP 8 over 8 gloo processes), both saved by the "shardckpt"
+    backend: bench/peers/mamba.py.
 
 Run it with the Python of the peers' environment (scripts/setup.sh --peers):
 
     build/peers-venv/bin/python bench/peers.py [--size-mib 1024] [--repeat 7] [--json]
     build/peers-venv/bin/python bench/peers.py --only storage [--storage-mib 1024] [--storage-ranks 4]
     build/peers-venv/bin/python bench/peers.py --only megatron [--storage-mib 1024] [--storage-ranks 4]
+    build/peers-venv/bin/python bench/peers.py --only mamba [--mamba-ranks 8] [--repeat 3]
 
 The exit code is 0 whatever the figures, 1 if a loaded value differs from what was saved, 2 on an
 error.
@@ -39,7 +43,7 @@ OUTPUTS = ("job.json", "single.json", "dcp-save", "dcp-async", "shardckpt-save.h
            "model.safetensors", "whole.h5", "storage.json", "storage-fs.json", "storage-shardckpt.json",
            "storage-fs", "storage-shardckpt.h5", "megatron.json", "megatron-torch_dist.json",
            "megatron-shardckpt.json", "megatron-torch_dist", "megatron-torch_dist_fp", "megatron-shardckpt",
-           "megatron-torch_dist_async", "megatron-shardckpt_async")
+           "megatron-torch_dist_async", "megatron-shardckpt_async", "mamba.json", "mamba-gather", "mamba-no_gather")
 
 
 def arguments(argv):
@@ -52,15 +56,18 @@ def arguments(argv):
     a.add_argument("--keep", action="store_true", help="keep the checkpoints")
     a.add_argument("--warm-cache", action="store_true",
                    help="keep the page cache (for profiling: what each side costs beside the disk)")
-    a.add_argument("--only", choices=("peers", "storage", "megatron"),
+    a.add_argument("--only", choices=("peers", "storage", "megatron", "mamba"),
                    help="peers: DCP and safetensors against shardckpt only; storage: DCP's FileSystem storage\n"
                         "against shardckpt.dcp's Writer/Reader only; megatron: Megatron's torch_dist against\n"
-                        "the shardckpt backend only (default: peers and storage; megatron needs megatron-core)")
+                        "the shardckpt backend only; mamba: no_gather against Megatron's own gather of a GTP\n"
+                        "Mamba in_proj (default: peers and storage; megatron needs megatron-core, mamba 0.19)")
     a.add_argument("--storage-mib", type=int, default=1024,
                    help="the storage and megatron phases' state (default 1024: 1 GiB)")
     a.add_argument("--storage-ranks", type=int, default=4,
                    help="the storage and megatron phases' gloo processes (default 4; megatron: even)")
-    a.add_argument("--part", choices=("job", "single", "storage", "megatron"), help=argparse.SUPPRESS)  # internal: one side
+    a.add_argument("--mamba-ranks", type=int, default=8,
+                   help="the mamba phase's gloo processes, its GTP size (default 8)")
+    a.add_argument("--part", choices=("job", "single", "storage", "megatron", "mamba"), help=argparse.SUPPRESS)  # internal: one side
     a.add_argument("--sides", default="fs,shardckpt", help=argparse.SUPPRESS)  # internal: the storage part's
     a.add_argument("--out", help=argparse.SUPPRESS)
     o = a.parse_args(argv)
@@ -68,6 +75,8 @@ def arguments(argv):
         a.error("--size-mib is 1 to 1048576, --repeat and --read-repeat 1 to 100")
     if not 1 <= o.storage_mib <= 1 << 20 or not 1 <= o.storage_ranks <= 64:
         a.error("--storage-mib is 1 to 1048576, --storage-ranks 1 to 64")
+    if not 2 <= o.mamba_ranks <= 64:
+        a.error("--mamba-ranks is 2 to 64")
     return o
 
 
@@ -171,7 +180,16 @@ def run_megatron(o):
     return run_phase(o, "megatron", sides, ("torch_dist", "shardckpt"))
 
 
-def report_of(o, job, one, storage, megatron=None):
+def run_mamba(o):
+    """no_gather against Megatron's own gather of a GTP Mamba in_proj (bench/peers/mamba.py): one gloo
+    job of --mamba-ranks processes, the sides in interleaved rounds."""
+    path = os.path.join(o.dir, "mamba.json")
+    run_job(o, path, world=o.mamba_ranks, part="mamba", sides="gather,no_gather")
+    with open(path) as f:
+        return json.load(f)
+
+
+def report_of(o, job, one, storage, megatron=None, mamba=None):
     from peers import report, system
     r = report.Report()
     r.set("repeat", o.repeat)
@@ -188,6 +206,9 @@ def report_of(o, job, one, storage, megatron=None):
     if megatron is not None:
         report.megatron(r, megatron)
         mismatches += [m for s in megatron.values() for m in s["mismatches"]]
+    if mamba is not None:
+        report.mamba(r, mamba)
+        mismatches += mamba["mismatches"]
     r.add("mismatches", len(mismatches), note="every load checked")
     r.set("first_mismatches", mismatches[:5])
     return r, bool(mismatches)
@@ -222,6 +243,9 @@ def describe(o):
         print(f"bench/peers.py: {o.only or 'storage'} phase: {storage.state_bytes(shape) / MiB:.1f} MiB ({shape[0]} layers of "
               f"hidden {shape[1]}, weights bf16, Adam f32) on {o.storage_ranks} gloo processes, {o.repeat} write and "
               f"{o.read_repeat} read rounds", file=sys.stderr)
+    if o.only == "mamba":
+        print(f"bench/peers.py: mamba phase: a MambaMixer's in_proj GTP-sharded over {o.mamba_ranks} gloo processes, "
+              f"Megatron's gather against no_gather, {o.repeat} rounds", file=sys.stderr)
 
 
 def main(argv):
@@ -237,6 +261,10 @@ def main(argv):
         from peers import megatron
         megatron.main(o.storage_mib * MiB, o.dir, o.repeat, o.read_repeat, o.out, o.sides.split(","))
         return 0
+    if o.part == "mamba":
+        from peers import mamba
+        mamba.main(o.dir, o.repeat, o.out, o.sides.split(","))
+        return 0
     if o.part:
         from peers import jobs, single
         (jobs if o.part == "job" else single).main(o.size_mib * MiB, o.dir, o.repeat, o.read_repeat, o.out)
@@ -248,7 +276,7 @@ def main(argv):
     try:
         if not o.json:
             describe(o)
-        job = one = storage = megatron = None
+        job = one = storage = megatron = mamba = None
         if o.only in (None, "peers"):
             run_job(o, job_out)
             run_single(o, single_out)
@@ -258,7 +286,9 @@ def main(argv):
             storage = run_storage(o)
         if o.only == "megatron":
             megatron = run_megatron(o)
-        r, mismatched = report_of(o, job, one, storage, megatron)
+        if o.only == "mamba":
+            mamba = run_mamba(o)
+        r, mismatched = report_of(o, job, one, storage, megatron, mamba)
     finally:
         if not o.keep:
             clean(o.dir, made)

@@ -193,3 +193,46 @@ def megatron(report, runs):
     for side in [s for s in ("torch_dist", "torch_dist_fp", "shardckpt") if s in both["disk"]]:
         report.add(f"megatron_{side}_bytes_on_disk", both["disk"][side]["bytes"])
         report.add(f"megatron_{side}_files", both["disk"][side]["files"])
+
+
+def mamba(report, run):
+    """shardckpt.megatron.no_gather against Megatron's own gather of a GTP-sharded MambaMixer in_proj,
+    both saved by the "shardckpt" backend: save time (sharded_state_dict() and dist_checkpointing.save),
+    the peak memory each adds per rank, the bytes of the state dict's tensors that are not the model's."""
+    ph = run["phases"]
+    report.set("mamba_state", {k: run[k] for k in ("dims", "rows", "cols", "blocks", "gtp", "tp", "align",
+                                                   "shard_rows", "pad_rows", "ranks", "megatron_core")}
+               | {"layout": f"TP 1 x GTP {run['gtp']}, alignment {run['align']}, {run['ranks']} gloo processes",
+                  "rank_bytes": run["local_bytes"], "peak_memory_method": run["peak_method"]})
+    report.rounds(ph)
+    report.add("mamba_model_bytes_per_rank", max(run["local_bytes"]), note="the mixer's parameters, largest rank")
+    report.add("mamba_in_proj_bytes", run["in_proj_bytes"], note="in_proj TP-local (what the gather builds)")
+    report.add("mamba_in_proj_shard_bytes", run["shard_bytes"], note="in_proj's GTP shard per rank, pad rows in")
+    extra = {}
+    for side in ("gather", "no_gather"):
+        for what in ("save", "state_dict"):
+            name = f"mamba_{side}_{what}"
+            s, peaks = seconds(ph, name), seconds(ph, name, "peak_extra")
+            report.add(f"{name}_s", statistics.median(s), (min(s), max(s)))
+            report.add(f"{name}_peak_extra_bytes" if what == "state_dict" else f"mamba_{side}_peak_extra_bytes",
+                       median_int(peaks), (min(peaks), max(peaks)), note="per rank (largest), above RSS before")
+        extra[side] = median_int(seconds(ph, f"mamba_{side}_save", "peak_extra"))
+        report.add(f"mamba_{side}_state_dict_bytes", run["state_dict_extra_bytes"][side],
+                   note="state dict tensors not the model's memory")
+    add_ratio(report, "mamba_no_gather_save_ratio", seconds(ph, "mamba_gather_save"),
+              seconds(ph, "mamba_no_gather_save"), "gather s / no_gather s")
+    add_ratio(report, "mamba_no_gather_state_dict_ratio", seconds(ph, "mamba_gather_state_dict"),
+              seconds(ph, "mamba_no_gather_state_dict"), "gather s / no_gather s", target=False)
+    fraction = extra["no_gather"] / max(extra["gather"], 1)
+    report.add("mamba_no_gather_memory_fraction", fraction, target="<= 0.01 (no_gather's peak extra / gather's)",
+               met=fraction <= 0.01)
+    built = run["state_dict_extra_bytes"]
+    # gloo's all_gather_into_tensor stages a second copy of the gathered weight (NCCL's gathers in
+    # place): against the gathered tensor alone, what the gather adds on a GPU.
+    report.add("mamba_no_gather_memory_fraction_of_gathered", extra["no_gather"] / max(built["gather"], 1),
+               note="no_gather's peak extra / the gathered weight's bytes")
+    report.add("mamba_no_gather_state_dict_fraction", built["no_gather"] / max(built["gather"], 1),
+               note="no_gather's state dict bytes / gather's")
+    for side in ("gather", "no_gather"):
+        report.add(f"mamba_{side}_bytes_on_disk", run["disk"][side]["bytes"])
+    report.add("mamba_datasets_compared", run["datasets_compared"], note="h5py: both checkpoints, byte for byte")

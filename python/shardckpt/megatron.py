@@ -266,11 +266,11 @@ def _plan_save(sharded_state_dict, group):
 def _wait_for_commit(marker, parent):
     """The async process's work (Megatron's AsyncCallsQueue runs it in a process of its own, forked or
     persistent): wait until the trainer's background save has ended (its watcher makes `marker`),
-    so that the queue sees this rank's save as running until then. Gives up when the trainer is gone."""
+    so that the queue sees this rank's save as running until then. Gives up when the trainer is gone
+    (this process then has another parent: a trainer that exited is a zombie until reaped, and the
+    process that would reap it may be waiting for this one's output to end)."""
     while not os.path.exists(marker):
-        try:
-            os.kill(parent, 0)
-        except ProcessLookupError:
+        if os.getppid() != parent:
             return
         time.sleep(0.005)
 

@@ -50,6 +50,34 @@ class MegatronJob(GlooJobCase, unittest.TestCase):
         self.check("async")
 
 
+@unittest.skipIf(REGISTRY, "megatron-core before 0.18 has no async path for this backend")
+class KilledRank(unittest.TestCase):
+    def test_a_rank_killed_during_an_async_save_leaves_a_complete_checkpoint_and_fails_the_others(self):
+        import tempfile
+        import time
+        from support import run_ranks
+        import shardckpt as sc
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "ckpt")
+            t0 = time.monotonic()
+            results = run_ranks(WORLD, os.path.join(os.path.dirname(__file__), "kill_worker.py"), path, timeout=240)
+            self.assertLess(time.monotonic() - t0, 200, "the surviving ranks waited for the dead one")
+            self.assertEqual(results[3][0], -9, results[3][1][-2000:])
+            for rank in range(3):  # they learn of it: none reports a finished save
+                code, out = results[rank]
+                self.assertNotIn("finalized", out, f"rank {rank}:\n{out[-2000:]}")
+                self.assertNotEqual(code, 0, f"rank {rank}:\n{out[-2000:]}")
+            # The directory holds one whole checkpoint: the first save's (or, had the kill come after
+            # the commit, the second's), every byte verified; no temporary file is left.
+            file = os.path.join(path, "shardckpt.h5")
+            sc.verify(file)
+            got = sc.read(file)
+            w = got["w"]
+            self.assertIn(float(w[0, 0]), (1.0, 2.0))
+            self.assertTrue(bool((w == w[0, 0]).all()), "a mix of two saves")
+            self.assertEqual([n for n in os.listdir(path) if n.endswith(".partial")], [])
+
+
 class Examples(unittest.TestCase):
     def test_megatron_gtp_example_on_four_processes(self):
         check_example(self, "megatron_gtp.py", "loaded at TP 1 x GTP 4, pad rows zero", WORLD)
