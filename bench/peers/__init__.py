@@ -7,5 +7,8 @@
   single.py          one process: safetensors against shardckpt's save and read, consolidated
   storage.py         DCP's FileSystemWriter/Reader against shardckpt.dcp's Writer/Reader: a gloo job of
                      DTensors (bf16 weights, Adam's f32 state) under the same dcp.save and dcp.load
+  megatron.py        Megatron-core's torch_dist against the shardckpt strategies under the same
+                     dist_checkpointing.save / load (and, on 0.19, async saves through its queue)
+  mamba.py           no_gather against Megatron 0.19's own gather of a GTP-sharded MambaMixer in_proj
   report.py          the figures, their ratios and spread, the table and --json
 """
