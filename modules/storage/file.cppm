@@ -256,6 +256,42 @@ class TemporaryFile {
   bool pending_ = true;
 };
 
+// Mappings of files, and reads of their bytes that a file cut short cannot turn into a signal.
+// A page of a file mapping past the file's end (another program truncated the file under it,
+// private copies of pages included: the kernel drops those too) raises SIGBUS when touched. A
+// MappedRange registers a mapping; the first one installs, once for the process, a SIGBUS handler
+// that ends a guarded call (run_guarded, copy_guarded) whose thread faulted on a registered page,
+// so that the caller reports Errc::replaced naming the file. A fault anywhere else, or outside a
+// guarded call (code that touches a tensor over the file after the load returned), goes on to the
+// handler that was there before (by default the death of the process by SIGBUS); a fault on a
+// registered page first writes one line to stderr naming the file that was cut short.
+class MappedRange {
+ public:
+  MappedRange() = default;
+  // Registers [at, at + bytes), a mapping of `path`. False from registered() when the process holds
+  // too many registered mappings already (the caller must not map then).
+  MappedRange(const void* at, std::size_t bytes, const std::filesystem::path& path) noexcept;
+  MappedRange(const MappedRange&) = delete;
+  MappedRange& operator=(const MappedRange&) = delete;
+  ~MappedRange();
+  bool registered() const noexcept { return slot_ >= 0; }
+
+ private:
+  int slot_ = -1;
+};
+
+// Runs fn(context), ended early by a SIGBUS on a page of a registered mapping in this thread:
+// returns the address that faulted (0 when fn ran to its end). fn may be left midway: it must hold
+// nothing that needs destroying and leave nothing half done that matters once it is abandoned.
+std::uintptr_t run_guarded(void (*fn)(void*), void* context) noexcept;
+// The registered file mapped at `address` ("another program's file" when none is any more).
+std::string mapped_file_at(std::uintptr_t address);
+// Whether any of [p, p + n) lies in a registered mapping.
+bool in_mapping(const void* p, std::size_t n) noexcept;
+// memcpy of `n` bytes from src, which may lie in a registered mapping: Errc::replaced naming the
+// file when its pages were lost (the file was cut short under the mapping).
+void copy_guarded(void* dst, const void* src, std::size_t n);
+
 // The mode a new file gets: 0666 without the bits of this process's umask (read from the kernel;
 // 0600 where it cannot be read).
 std::uint32_t new_file_mode();

@@ -114,9 +114,11 @@ class CheckpointReader {
   // rows lie in memory (a chunked, filtered or external dataset, elements not aligned, the
   // hyperslab method, a read around the page cache): read() them into memory instead. The mapping
   // lives as long as the last tensor over it, past the reader. Errc::replaced when the file's size
-  // changed since the open, or when it was cut short under the reader's mapping before its rows
-  // were checked (their pages are brought in first). A file truncated by someone else while a
-  // tensor is over it makes access to the lost pages fail with SIGBUS, as for any mapping; one
+  // changed since the open, or when it was cut short under the reader's mapping while its pages
+  // were brought in or its rows checked (the library reads mapped bytes only under io::run_guarded:
+  // a lost page is an error there, never SIGBUS). After the call, a file truncated by someone else
+  // while a tensor is over it makes access to the lost pages fail with SIGBUS outside the library
+  // (io::copy_guarded and the library's saves report it as Errc::replaced), as for any mapping; one
   // written in place changes what the tensor shows where it was not written (the library's saves
   // replace a file, never rewrite it).
   std::optional<SharedBuffer> map(const Dataset& dataset, const Box& box, Extents shape, ReadOptions options = {}) const;

@@ -225,7 +225,8 @@ class ThreadMember final : public ProcessGroup {
               me_, " of ", rows.row_bytes(), " bytes, or with other counts");
       const std::int64_t n = counts[static_cast<std::size_t>(r)];
       if (r != me_ && n > 0)
-        std::memcpy(rows.slice_rows(start, start + n).data(), from + start * row_bytes, static_cast<std::size_t>(n * row_bytes));
+        io::copy_guarded(rows.slice_rows(start, start + n).data(), from + start * row_bytes,  // `from` may be a mapping
+                         static_cast<std::size_t>(n * row_bytes));
       start += n;
     }
     barrier();

@@ -20,6 +20,7 @@ import shardckpt.layout;
 import shardckpt.views;
 import shardckpt.engine;
 import shardckpt.merge;
+import shardckpt.storage;
 
 namespace shardckpt {
 
@@ -60,7 +61,7 @@ inline SavePlan stage_whole(SavePlan plan, MutTensorView memory, CopyEngine* eng
         MutTensorView::unchecked(memory.data() + at, i.data.dtype(), i.data.shape(), MemorySpace::pinned());
     at += i.data.bytes();
     if (i.data.space().host_accessible()) {
-      if (!i.data.empty()) std::memcpy(to.data(), i.data.data(), i.data.bytes());
+      if (!i.data.empty()) io::copy_guarded(to.data(), i.data.data(), i.data.bytes());  // may be a mapping
     } else {
       require(engine != nullptr && engine->device() == i.data.space(), Errc::invalid_argument, "key ", i.key,
               ": an async save of ", memory_space_text(i.data.space()),

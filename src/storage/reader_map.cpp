@@ -40,10 +40,14 @@ std::size_t round_to_page(std::size_t n) { return (n + page_bytes() - 1) / page_
 
 // A private, writable mapping of a whole checkpoint file (a write to a tensor over it copies the
 // page: it never reaches the file), unmapped when the last tensor over it goes. The mapping holds
-// the file's pages, not its descriptor: the reader may close first.
+// the file's pages, not its descriptor: the reader may close first. It is registered
+// (io::MappedRange) for as long as it exists, so that a read of its bytes under io::run_guarded
+// meets a page lost to a file cut short as an error, not as SIGBUS; one that could not be
+// registered is not used (guarded() false: its tensors are read into memory instead).
 struct FileMapping {
   std::byte* base = nullptr;
   std::size_t size = 0;
+  std::optional<io::MappedRange> guard;
 
   FileMapping(const io::File& f, std::uint64_t size_at_open, const std::filesystem::path& path) {
     // The file the reader checked: the same inode (one descriptor), and still its size. A file that
@@ -55,10 +59,15 @@ struct FileMapping {
             ": a file of ", now, " bytes cannot be mapped");
     size = static_cast<std::size_t>(now);
     base = static_cast<std::byte*>(map_aligned(f, size, path));
+    guard.emplace(base, round_to_page(size), path);
   }
   FileMapping(const FileMapping&) = delete;
   FileMapping& operator=(const FileMapping&) = delete;
-  ~FileMapping() { ::munmap(base, size); }
+  ~FileMapping() {
+    guard.reset();  // before the addresses can be someone else's
+    ::munmap(base, size);
+  }
+  bool guarded() const { return guard && guard->registered(); }
 
  private:
   // The file mapped at an address that is a multiple of 2 MiB, so that each address lies at its file
@@ -109,6 +118,7 @@ class MappedRows final : public Allocation {
 // A tensor joined from runs of the file (a fused weight's blocks, each whole rows of its own
 // dataset): a reserved range of addresses in which each run is mapped, privately, right after the
 // one before. Each run must start on a page of the file, and every run but the last fill whole pages.
+// Registered as a FileMapping is; nullptr where it cannot be (the tensor is then read instead).
 class JoinedRuns final : public Allocation {
  public:
   static std::unique_ptr<JoinedRuns> map(const io::File& f, std::span<const std::uint64_t> at,
@@ -129,15 +139,21 @@ class JoinedRuns final : public Allocation {
                                          std::strerror(errno)));
       offset += bytes[i];
     }
+    out->guard_.emplace(base, reserved, path);
+    if (!out->guard_->registered()) return nullptr;
     return out;
   }
-  ~JoinedRuns() override { ::munmap(base_, reserved_); }
+  ~JoinedRuns() override {
+    guard_.reset();  // before the addresses can be someone else's
+    ::munmap(base_, reserved_);
+  }
 
  private:
   JoinedRuns(std::byte* base, std::size_t bytes, std::size_t reserved)
       : Allocation(base, bytes, MemorySpace::host()), base_(base), reserved_(reserved) {}
   std::byte* base_;
   std::size_t reserved_;
+  std::optional<io::MappedRange> guard_;
 };
 
 // A part of a mapped tensor, located in the file.
@@ -222,6 +238,32 @@ PartChecksums read_part_checksums(const ChecksumSource& source, const Located& p
   return out;
 }
 
+// Rows of a mapped part hashed and compared with their checksums, as one guarded call
+// (io::run_guarded): nothing in it needs destroying if a lost page ends it midway.
+struct HashRows {
+  const std::byte* first;     // the first row's bytes
+  std::size_t stride, unit;   // from one row to the next; the bytes of each hashed
+  std::int64_t count;         // rows
+  const std::uint64_t* want;  // their checksums
+  std::int64_t first_mismatch;  // out: the first row that differs (count: none)
+
+  static void run(void* self) {
+    HashRows& j = *static_cast<HashRows*>(self);
+    for (std::int64_t r = 0; r < j.count; ++r)
+      if (row_hash(j.first + static_cast<std::size_t>(r) * j.stride, j.unit) != j.want[r]) {
+        j.first_mismatch = r;
+        return;
+      }
+  }
+};
+
+// The error for a page of the file's mapping (at `fault`) that could not be read: the file was cut
+// short since it was mapped.
+Error lost_under_mapping(const std::filesystem::path& path, std::uintptr_t fault) {
+  return Error(Errc::replaced, cat(path.string(), ": the file changed under its mapping: a page of it (at address ",
+                                   fault, ") could not be read (cut short by another program since it was opened)"));
+}
+
 // Every row of `p` (rows of the part `sums` were read for), which lies at `rows` in memory, checked
 // against its checksum.
 void verify_rows(const ReaderState& m, const Located& p, const std::byte* rows, const PartChecksums& sums,
@@ -242,12 +284,18 @@ void verify_rows(const ReaderState& m, const Located& p, const std::byte* rows, 
     const std::int64_t step = batch_rows(width * es, cached_read_batch);
     for (std::int64_t r0 = sub.rows.begin; r0 < sub.rows.end; r0 += step) {
       const std::int64_t end = std::min(r0 + step, sub.rows.end);
-      for (std::int64_t r = r0; r < end; ++r) {
-        const std::byte* q = rows + ((r - box.rows.begin) * width + s.box.cols.begin - box.cols.begin) * es;
-        if (row_hash(q, static_cast<std::size_t>(unit)) != want[static_cast<std::size_t>(r - base)])  // the message only then
-          throw Error(Errc::corrupt, cat(m.path.string(), ": key ", d.key, ", ",
-                                         rows_text({{r, r + 1}, s.box.cols}, whole_box(d.shape)),
-                                         ": the bytes read differ from the bytes saved (checksum mismatch)"));
+      // The rows hashed under io::run_guarded: a page of them lost to a file cut short since the
+      // pager brought it in (the kernel takes such pages back from every mapping) is Errc::replaced.
+      HashRows job{rows + ((r0 - box.rows.begin) * width + s.box.cols.begin - box.cols.begin) * es,
+                   static_cast<std::size_t>(width * es), static_cast<std::size_t>(unit), end - r0,
+                   want.data() + (r0 - base), end - r0};
+      if (const std::uintptr_t fault = io::run_guarded(&HashRows::run, &job); fault != 0)
+        throw lost_under_mapping(m.path, fault);
+      if (job.first_mismatch < end - r0) {  // the message only then
+        const std::int64_t r = r0 + job.first_mismatch;
+        throw Error(Errc::corrupt, cat(m.path.string(), ": key ", d.key, ", ",
+                                       rows_text({{r, r + 1}, s.box.cols}, whole_box(d.shape)),
+                                       ": the bytes read differ from the bytes saved (checksum mismatch)"));
       }
       if (options.progress) options.progress((end - r0) * sub.cols.size() * es);
     }
@@ -314,6 +362,16 @@ class Pager {
  private:
   static constexpr std::size_t step = std::size_t{1} << 20;
 
+  // A read of a byte of each page of [begin, end) (`first`: begin's page), as one guarded call.
+  struct Touch {
+    std::uintptr_t begin, first, end, page;
+    static void run(void* self) {  // volatile: each read happens though its byte goes unused
+      const Touch& t = *static_cast<const Touch*>(self);
+      (void)*reinterpret_cast<const volatile unsigned char*>(t.begin);
+      for (std::uintptr_t q = t.first + t.page; q < t.end; q += t.page) (void)*reinterpret_cast<const volatile unsigned char*>(q);
+    }
+  };
+
   void publish(std::size_t position) {
     frontier_.store(position, std::memory_order_release);
     frontier_.notify_all();
@@ -333,9 +391,9 @@ class Pager {
           if (errno == EFAULT) return lost(position, s.file_offset + at);
           populate = false;  // not in this kernel (EINVAL), or not now: read a byte of each page instead
         }
-        if (!populate) {  // volatile: each read happens though its byte goes unused
-          (void)*reinterpret_cast<const volatile unsigned char*>(begin);
-          for (std::uintptr_t q = first + page; q < end; q += page) (void)*reinterpret_cast<const volatile unsigned char*>(q);
+        if (!populate) {  // a read of a byte of each page, guarded: a lost page ends the stream
+          Touch touch{begin, first, end, page};
+          if (io::run_guarded(&Touch::run, &touch) != 0) return lost(position, s.file_offset + at);
         }
         at += n;
         position += n;
@@ -459,6 +517,7 @@ std::optional<Mapping> locate_and_map(const ReaderState& m, std::vector<Located>
   Mapping out;
   if (adjacent) {
     out.whole = m.mapping.get([&] { return std::make_shared<FileMapping>(m.file, m.file_size, m.path); });
+    if (!out.whole->guarded()) return std::nullopt;  // too many mappings registered: read instead
     return out;
   }
   // Joined runs: each on a page of the file, all but the last whole pages.
@@ -472,6 +531,7 @@ std::optional<Mapping> locate_and_map(const ReaderState& m, std::vector<Located>
   std::vector<std::size_t> bytes;
   for (const Located& p : located) at.push_back(p.at), bytes.push_back(p.bytes);
   out.joined = JoinedRuns::map(m.file, at, bytes, m.path);
+  if (!out.joined) return std::nullopt;  // too many mappings registered: read instead
   return out;
 }
 

@@ -386,11 +386,16 @@ void PieceWriter::write(const Dataset& d, const Box& box, TensorView src) {
     const Box batch{{r0, std::min(r0 + step, box.rows.end)}, box.cols};
     const std::byte* p = bytes + (r0 - box.rows.begin) * row_bytes;
     // Each row's checksum is taken from the bounce copy that then goes out, while it is in cache.
-    if (m.checksums) {
-      const auto n = static_cast<std::size_t>(batch.rows.size() * row_bytes);
+    // Rows that lie in a mapping of a file (a tensor a load mapped, as reshard writes them) go
+    // through the bounce copy too, checksums or not: the copy is guarded (io::copy_guarded), so a
+    // file cut short under the mapping is Errc::replaced naming it, not SIGBUS.
+    const auto n = static_cast<std::size_t>(batch.rows.size() * row_bytes);
+    if (m.checksums || io::in_mapping(p, n)) {
       if (m.bounce.size() < n) m.bounce.resize(n);
-      std::memcpy(m.bounce.data(), p, n);
+      io::copy_guarded(m.bounce.data(), p, n);
       p = m.bounce.data();
+    }
+    if (m.checksums) {
       for (std::int64_t r = 0; r < batch.rows.size(); ++r) {
         m.hashes.push_back(row_hash(p + r * row_bytes, static_cast<std::size_t>(row_bytes)));
         if (m.hashes.size() == Impl::hash_batch) m.flush_hashes();
