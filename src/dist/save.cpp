@@ -120,14 +120,27 @@ Planned validate_in_parts(const std::vector<std::span<const std::byte>>& payload
 }
 
 
-// What a rank sends rank 0 in planning: the path it names, its number of checksummed rows, its claims, the parameter records whose
-// first element it writes, and (rank 0) the common values.
+// The file `path` names, as rank 0 compares it with the others': made absolute against this rank's
+// working directory, its directory's symbolic links resolved, "." and ".." folded, so that one rank's
+// "ckpt/m.h5" and another's "/work/ckpt/m.h5" (or a path through a linked directory) are the same
+// file. The name itself is kept (a link there is the save's business, followed or refused).
+std::string file_named(const fs::path& path) {
+  std::error_code ec;
+  const fs::path absolute = fs::absolute(path, ec);
+  if (ec) return path.lexically_normal().string();
+  const fs::path dir = fs::weakly_canonical(absolute.parent_path(), ec);
+  if (ec) return absolute.lexically_normal().string();
+  return (dir / absolute.filename()).lexically_normal().string();
+}
+
+// What a rank sends rank 0 in planning: the file it names (file_named), its number of checksummed rows, its claims, the parameter
+// records whose first element it writes, and (rank 0) the common values.
 Bytes planning_payload(const SavePlan& plan, const fs::path& path, int me) {
   const std::vector<Claim> claims = claims_of(plan, me);
   std::int64_t checksum_rows = 0;
   for (const Claim& c : claims) checksum_rows = checked_add(checksum_rows, claim_checksums(c), "checksummed rows");
   Writer w;
-  w.str(path.lexically_normal().string());
+  w.str(file_named(path));
   w.i64(checksum_rows);
   w.i64(static_cast<std::int64_t>(claims.size()));
   for (const Claim& c : claims) put_claim(w, c);

@@ -73,6 +73,20 @@ TEST(Paths, RanksThatNameDifferentPathsAllFailAndWriteNothing) {
     save(s, g.rank() == 0 ? dir / "c.h5" : dir / "." / "c.h5", g);
   });
   EXPECT_EQ(verify_checkpoint(CheckpointReader(dir / "c.h5")).mismatches, 0);
+  // One rank names it relative to the working directory, one absolutely, one through a linked
+  // directory: what the names resolve to is compared, not their text.
+  std::filesystem::create_directory_symlink(dir.path(), dir / "via");
+  const std::filesystem::path before = std::filesystem::current_path();
+  std::filesystem::current_path(dir.path());
+  run_ranks(3, [&](ProcessGroup& g) {
+    SharedBuffer b = SharedBuffer::zeros(DType::f32, {2, 2});
+    StateDict s;
+    s.add(ShardedTensor::of("t", b, {6, 2}, {g.rank() * 2, 0}));
+    const std::filesystem::path names[] = {"d.h5", dir / "d.h5", dir / "via" / "d.h5"};
+    save(s, names[g.rank()], g);
+  });
+  std::filesystem::current_path(before);
+  EXPECT_EQ(verify_checkpoint(CheckpointReader(dir / "d.h5")).mismatches, 0);
 }
 
 // A group that hands rank `victim` other bytes than were broadcast at its `nth` broadcast: the last
