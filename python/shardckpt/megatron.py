@@ -72,11 +72,12 @@ except ImportError:  # 0.18 and later: strategies are torch_dist's, or objects t
     REGISTRY = False
 
 from . import _core
+from ._local import gtp_shard_factory, to_state_dict
 from ._no_gather import no_gather
 from .state_dict import _AS_BYTES, TORCH_DTYPE_NAMES, _stored, default_group, exchange, stored_dtype
 
-__all__ = ["BACKEND", "FILE_NAME", "OBJECTS_KEY", "VERSION", "LoadStrategy", "SaveStrategy", "gtp_sharded_state_dict",
-           "no_gather"]
+__all__ = ["BACKEND", "FILE_NAME", "OBJECTS_KEY", "VERSION", "LoadStrategy", "SaveStrategy", "gtp_shard_factory",
+           "gtp_sharded_state_dict", "no_gather", "to_state_dict"]
 
 BACKEND = "shardckpt"
 VERSION = 1

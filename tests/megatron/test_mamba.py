@@ -12,26 +12,14 @@ import unittest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
 from support import GlooJobCase  # noqa: E402
 
-
-def _megatron_version():
-    try:
-        import megatron.core
-    except ImportError:
-        return None
-    return megatron.core.__version__
+sys.path.insert(0, os.path.dirname(__file__))
+from versions import megatron_version, older_than  # noqa: E402
 
 
-VERSION = _megatron_version()
+VERSION = megatron_version()
 
 
-def _too_old(version):
-    try:
-        return tuple(int(p) for p in version.split(".")[:2]) < (0, 19)
-    except (AttributeError, ValueError):
-        return True
-
-
-@unittest.skipIf(VERSION is None or _too_old(VERSION),
+@unittest.skipIf(older_than(VERSION, (0, 19)),
                  f"no_gather needs megatron-core 0.19 or later (GTP); found {VERSION or 'none'}")
 class MambaNoGatherJob(GlooJobCase, unittest.TestCase):
     WORLD = 4
