@@ -49,6 +49,21 @@ except ImportError:  # a megatron-core without local checkpoints
 __all__ = ["gtp_shard_factory", "to_state_dict"]
 
 
+def param_shard(param, who):
+    """The shard of ShardedParam `param` as `who` takes it: a torch tensor of the padded shape, the whole
+    shard (no flat range); a ValueError or TypeError naming the key otherwise."""
+    if param.flat is not None:
+        raise ValueError(f"{param.key}: a ShardedParam with a flat range: give the whole padded shard")
+    shard = param.shard
+    if not isinstance(shard, torch.Tensor):
+        raise TypeError(f"{param.key}: {who} needs the ShardedParam's shard as a torch tensor, "
+                        f"not {type(shard).__name__}")
+    if tuple(shard.shape) != tuple(param.padded_shape()):
+        raise ValueError(f"{param.key}: a shard of shape {tuple(shard.shape)}, its padded shape is "
+                         f"{tuple(param.padded_shape())}")
+    return shard
+
+
 def to_state_dict(tasd, sharded_state_dict, **kwargs):
     """`tasd.to_state_dict(sharded_state_dict, **kwargs)` (an MCoreTensorAwareStateDict, as a local
     checkpoint manager's load() gives it; the same keyword arguments: algo, exchange_algo,
@@ -108,12 +123,7 @@ def gtp_shard_factory(param, prefix="", replica_id=None):
     or the TP rank for a weight TP replicates on TP ranks past 0, and r the ShardedParam's replica_id.
     Refused as in gtp_sharded_state_dict: a ShardedParam with a flat range, a shard that is not a torch
     tensor of the padded shape; and at build, a tensor of another shape or a flattened range."""
-    if param.flat is not None:
-        raise ValueError(f"{param.key}: a ShardedParam with a flat range: give the whole padded shard")
-    shard = param.shard
-    if not isinstance(shard, torch.Tensor):
-        raise TypeError(f"{param.key}: gtp_shard_factory needs the ShardedParam's shard as a torch tensor, "
-                        f"not {type(shard).__name__}")
+    shard = param_shard(param, "gtp_shard_factory")
     plan = _Plan(param)
     plan.check(param.key, shard)
     key = prefix + param.key

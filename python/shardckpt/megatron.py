@@ -72,7 +72,7 @@ except ImportError:  # 0.18 and later: strategies are torch_dist's, or objects t
     REGISTRY = False
 
 from . import _core
-from ._local import gtp_shard_factory, to_state_dict
+from ._local import gtp_shard_factory, param_shard, to_state_dict
 from ._no_gather import no_gather
 from .state_dict import _AS_BYTES, TORCH_DTYPE_NAMES, _stored, default_group, exchange, stored_dtype
 
@@ -619,15 +619,7 @@ def gtp_sharded_state_dict(param, prefix="", replica_id=None):
     The pieces are uneven, so they have axis_fragmentations=None: Megatron's own integrity check skips
     them (docs/megatron.md). `replica_id`: Megatron's, for every piece; by default (t, r): t = 0, or
     the TP rank for a weight TP replicates on TP ranks past 0, and r the ShardedParam's replica_id."""
-    if param.flat is not None:
-        raise ValueError(f"{param.key}: a ShardedParam with a flat range: give the whole padded shard")
-    shard = param.shard
-    if not isinstance(shard, torch.Tensor):
-        raise TypeError(f"{param.key}: gtp_sharded_state_dict needs the ShardedParam's shard as a torch tensor, "
-                        f"not {type(shard).__name__}")
-    if tuple(shard.shape) != tuple(param.padded_shape()):
-        raise ValueError(f"{param.key}: a shard of shape {tuple(shard.shape)}, its padded shape is "
-                         f"{tuple(param.padded_shape())}")
+    shard = param_shard(param, "gtp_sharded_state_dict")
     out = {}
     for piece in param.pieces():
         data = shard[piece["shard_row"]:piece["shard_row"] + piece["rows"]]
