@@ -46,6 +46,7 @@ docs/megatron.md.
 """
 import io
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -74,7 +75,8 @@ except ImportError:  # 0.18 and later: strategies are torch_dist's, or objects t
 from . import _core
 from ._local import gtp_shard_factory, param_shard, to_state_dict
 from ._no_gather import no_gather
-from .state_dict import _AS_BYTES, TORCH_DTYPE_NAMES, _stored, default_group, exchange, stored_dtype
+from .state_dict import (_AS_BYTES, TORCH_DTYPE_NAMES, _stored, default_group, exchange, require_plain_bytes,
+                         stored_dtype)
 
 __all__ = ["BACKEND", "FILE_NAME", "OBJECTS_KEY", "VERSION", "LoadStrategy", "SaveStrategy", "gtp_shard_factory",
            "gtp_sharded_state_dict", "no_gather", "to_state_dict"]
@@ -122,13 +124,6 @@ def _collective(what):
         raise CheckpointingException(str(e)) from e
 
 
-def _numel(shape):
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
 def _view(sh, loading):
     """The tensor of ShardedTensor `sh` with its prepended axes (size 1) in front: a view, no copy."""
     if sh.flattened_range is not None:
@@ -140,12 +135,9 @@ def _view(sh, loading):
             raise CheckpointingException(f"{sh.key}: a ShardedTensor without data to save")
         sh.init_data("cpu")
         data = sh.data
-    if not isinstance(data, torch.Tensor) or data.is_sparse or data.layout != torch.strided:
-        raise TypeError(f"{sh.key}: a ShardedTensor whose data is {type(data).__name__}"
-                        f"{'' if not isinstance(data, torch.Tensor) else ' of layout ' + str(data.layout)}: "
-                        "shardckpt saves dense (strided) tensors")
-    if data.device.type == "meta":
-        raise TypeError(f"{sh.key}: a ShardedTensor on the meta device has no bytes to save or load into")
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(f"{sh.key}: a ShardedTensor whose data is {type(data).__name__}, not a torch tensor")
+    require_plain_bytes(data, sh.key)
     for _ in range(sh.prepend_axis_num):
         data = data.unsqueeze(0)
     if tuple(data.shape) != tuple(1 for _ in range(sh.prepend_axis_num)) + tuple(sh.local_shape):
@@ -210,10 +202,10 @@ def _plan_save(sharded_state_dict, group):
     for r, p in enumerate(everyone):
         for key, offset, shape, main, global_shape in p["t"]:
             part = (key, tuple(offset), tuple(shape))
-            if _numel(shape) == 0 and _numel(global_shape) > 0:
+            if math.prod(shape) == 0 and math.prod(global_shape) > 0:
                 continue
             holders[part].add(r)
-            if main or _numel(global_shape) == 0:
+            if main or math.prod(global_shape) == 0:
                 mains[part].add(r)
         for unique_key, main in p["o"]:
             if main:
@@ -221,7 +213,7 @@ def _plan_save(sharded_state_dict, group):
         bytes_as.update(p["bytes_as"])
     # Every rank finds the same faults in the same lists: the same error everywhere, nothing written.
     for (key, offset, shape), ranks in sorted(mains.items()):
-        if len(ranks) > 1 and _numel(shape) > 0:
+        if len(ranks) > 1 and math.prod(shape) > 0:
             raise CheckpointingException(
                 f"{key}: the part at offset {offset} of shape {shape} is a main replica on ranks "
                 f"{sorted(ranks)}: one of them must have replica_id 0 (the others' replica ids nonzero)")
@@ -238,7 +230,7 @@ def _plan_save(sharded_state_dict, group):
             if part in seen or not mains[part]:
                 continue  # held twice here (tied weights), no elements, or a replica no main replica holds
             seen.add(part)
-            if _numel(shape) == 0:  # a tensor without elements: declared by the lowest rank alone
+            if math.prod(shape) == 0:  # a tensor without elements: declared by the lowest rank alone
                 if rank != min(mains[part]):
                     continue
                 replica_id, replicas = 0, 1

@@ -60,6 +60,18 @@ def stored_dtype(dtype, key, error=TypeError, hint=""):
     return name
 
 
+def require_plain_bytes(value, key):
+    """A TypeError naming `key` unless torch tensor `value` has plain bytes here to save or load into:
+    dense (strided), not on the meta device."""
+    torch = _torch()
+    layout = getattr(value, "layout", torch.strided)
+    if layout != torch.strided:
+        raise TypeError(f"{key}: a tensor of layout {layout}: shardckpt saves dense (strided) tensors; "
+                        "convert it first (t.to_dense())")
+    if getattr(getattr(value, "device", None), "type", None) == "meta":
+        raise TypeError(f"{key}: a tensor on the meta device has no bytes to save or to load into")
+
+
 def default_group(group):
     """The group a state dict call runs over: `group` as given (a TorchGroup or a torch.distributed
     ProcessGroup); else torch.distributed's default group when it is initialized; else None (this
@@ -140,13 +152,7 @@ class _Tensors:
         """The stored dtype's name; a TypeError naming `key` for a tensor without plain bytes here (sparse,
         or on the meta device)."""
         name = stored_dtype(value.dtype, key)
-        torch = _torch()
-        layout = getattr(value, "layout", torch.strided)
-        if layout != torch.strided:
-            raise TypeError(f"{key}: a tensor of layout {layout}: shardckpt saves dense (strided) tensors; "
-                            "convert it first (t.to_dense())")
-        if getattr(getattr(value, "device", None), "type", None) == "meta":
-            raise TypeError(f"{key}: a tensor on the meta device has no bytes to save or to load into")
+        require_plain_bytes(value, key)
         return name
 
     def boxes(self, value, key):
