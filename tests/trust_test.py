@@ -47,7 +47,7 @@ from tally import check, finish
 from trust.support import args, attacker, work
 from trust.inputs import (external_storage, reshard_never_mixes, small_types_with_pad_rows, stale_temporary_files,
                           virtual_datasets)
-from trust.special import adopt_drops_nothing, extfile_prefix_ignored, fifos_never_opened
+from trust.special import adopt_drops_nothing, checkpoint_links_refused, extfile_prefix_ignored, fifos_never_opened
 from trust.limits import deep_paths, many_tensors, resources
 from trust.outputs import (adopt_never_replaces_its_input, closed_streams, concurrent_saves, only_regular_files,
                            permissions)
@@ -59,7 +59,7 @@ try:
         shared_part(*attacker)
     else:
         for section in (permissions, only_regular_files, adopt_never_replaces_its_input, external_storage,
-                        extfile_prefix_ignored, fifos_never_opened, adopt_drops_nothing, deep_paths,
+                        extfile_prefix_ignored, fifos_never_opened, adopt_drops_nothing, checkpoint_links_refused, deep_paths,
                         reshard_never_mixes, virtual_datasets, concurrent_saves, closed_streams,
                         small_types_with_pad_rows, stale_temporary_files, resources, many_tensors):
             try:

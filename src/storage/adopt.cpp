@@ -33,57 +33,19 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// Text of the file in a message: printable ASCII as it is, other bytes as \xHH.
-std::string printable(std::string_view text) {
-  std::string out;
-  for (const char c : text) {
-    const auto u = static_cast<unsigned char>(c);
-    constexpr char hex[] = "0123456789abcdef";
-    if (u >= 0x20 && u < 0x7f)
-      out += c;
-    else
-      out += {'\\', 'x', hex[u >> 4], hex[u & 15]};
-  }
-  return out;
-}
-
 // What a link at the root of an adopt input is when it is not a hard link to a dataset, with where it
 // points: nothing is followed, nothing opened. A checkpoint without it would lack a tensor the input
 // seems to hold (h5py follows soft and external links), so adopt refuses it by name.
 std::string not_a_dataset(hid_t file, const std::string& name, const hdf5::Where& w) {
-  H5L_info_t info;
-  hdf5::check(H5Lget_info(file, name.c_str(), &info, H5P_DEFAULT), w, Errc::not_a_checkpoint);
-  constexpr std::size_t max_value = std::size_t{1} << 16;  // a link's value is the file's to say
-  const auto value = [&]() -> std::optional<std::vector<char>> {
-    if (info.u.val_size == 0 || info.u.val_size > max_value) return std::nullopt;
-    std::vector<char> v(info.u.val_size + 1, '\0');
-    if (H5Lget_val(file, name.c_str(), v.data(), v.size(), H5P_DEFAULT) < 0) {
-      H5Eclear2(H5E_DEFAULT);
-      return std::nullopt;
-    }
-    return v;
-  };
-  if (info.type == H5L_TYPE_SOFT) {
-    const auto v = value();
-    return cat("is a soft link", v ? cat(" to '", printable(v->data()), "'") : "",
-               ": adopt follows no link and takes only the datasets at the root of the file (make it a hard link, or "
-               "copy the dataset to its name)");
+  if (const std::optional<std::string> link = hdf5::link_kind(file, name.c_str(), w)) {
+    if (link->starts_with("an external link"))
+      return cat("is ", *link, ": adopt follows no link (HDF5 would open that file by name) and takes only datasets "
+                 "stored in the file itself (copy the dataset into it, with h5copy say)");
+    if (link->starts_with("a soft link"))
+      return cat("is ", *link, ": adopt follows no link and takes only the datasets at the root of the file (make it a "
+                 "hard link, or copy the dataset to its name)");
+    return cat("is ", *link, ": adopt follows no link and takes only the datasets at the root of the file");
   }
-  if (info.type == H5L_TYPE_EXTERNAL) {
-    const auto v = value();
-    unsigned flags = 0;
-    const char *target_file = nullptr, *target = nullptr;
-    const bool unpacked = v && H5Lunpack_elink_val(v->data(), v->size() - 1, &flags, &target_file, &target) >= 0 &&
-                          target_file && target;
-    H5Eclear2(H5E_DEFAULT);
-    return cat("is an external link",
-               unpacked ? cat(" to '", printable(target), "' in the file '", printable(target_file), "'") : "",
-               ": adopt follows no link (HDF5 would open that file by name) and takes only datasets stored in the file "
-               "itself (copy the dataset into it, with h5copy say)");
-  }
-  if (info.type != H5L_TYPE_HARD)
-    return cat("is a user-defined link (HDF5 link type ", static_cast<int>(info.type),
-               "): adopt follows no link and takes only the datasets at the root of the file");
   switch (hdf5::object_type(file, name.c_str(), w)) {
     case H5O_TYPE_GROUP:
       return "is a group: adopt takes only the datasets at the root of the file, not those in groups (move them to the root)";

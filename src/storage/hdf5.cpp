@@ -129,6 +129,50 @@ bool hard_link_exists(hid_t parent, const char* name, const Where& w) {
   return info.type == H5L_TYPE_HARD;
 }
 
+std::string printable(std::string_view text) {
+  std::string out;
+  for (const char c : text) {
+    const auto u = static_cast<unsigned char>(c);
+    constexpr char hex[] = "0123456789abcdef";
+    if (u >= 0x20 && u < 0x7f)
+      out += c;
+    else
+      out += {'\\', 'x', hex[u >> 4], hex[u & 15]};
+  }
+  return out;
+}
+
+std::optional<std::string> link_kind(hid_t parent, const char* name, const Where& w) {
+  H5L_info_t info;
+  check(H5Lget_info(parent, name, &info, H5P_DEFAULT), w, Errc::not_a_checkpoint);
+  if (info.type == H5L_TYPE_HARD) return std::nullopt;
+  constexpr std::size_t max_value = std::size_t{1} << 16;  // a link's value is the file's to say
+  const auto value = [&]() -> std::optional<std::vector<char>> {
+    if (info.u.val_size == 0 || info.u.val_size > max_value) return std::nullopt;
+    std::vector<char> v(info.u.val_size + 1, '\0');
+    if (H5Lget_val(parent, name, v.data(), v.size(), H5P_DEFAULT) < 0) {
+      H5Eclear2(H5E_DEFAULT);
+      return std::nullopt;
+    }
+    return v;
+  };
+  if (info.type == H5L_TYPE_SOFT) {
+    const auto v = value();
+    return cat("a soft link", v ? cat(" to '", printable(v->data()), "'") : "");
+  }
+  if (info.type == H5L_TYPE_EXTERNAL) {
+    const auto v = value();
+    unsigned flags = 0;
+    const char *target_file = nullptr, *target = nullptr;
+    const bool unpacked = v && H5Lunpack_elink_val(v->data(), v->size() - 1, &flags, &target_file, &target) >= 0 &&
+                          target_file && target;
+    H5Eclear2(H5E_DEFAULT);
+    return cat("an external link",
+               unpacked ? cat(" to '", printable(target), "' in the file '", printable(target_file), "'") : "");
+  }
+  return cat("a user-defined link (HDF5 link type ", static_cast<int>(info.type), ")");
+}
+
 H5O_type_t object_type(hid_t parent, const char* name, const Where& w) {
   H5O_info_t info;
   check(H5Oget_info_by_name2(parent, name, &info, H5O_INFO_BASIC, H5P_DEFAULT), w, Errc::not_a_checkpoint);

@@ -142,6 +142,12 @@ bool link_exists(hid_t parent, const char* name, const Where& w);
 // True when `name` (one component) is a hard link of `parent`: soft and external links are never
 // followed (an external link would make HDF5 open another file by name).
 bool hard_link_exists(hid_t parent, const char* name, const Where& w);
+// What link `name` of `parent` is when it is not a hard link, with where it points ("a soft link to
+// '/y'", "an external link to '/x' in the file 'sibling.h5'"), read without following it; nullopt
+// for a hard link. The file's bytes appear as printable text.
+std::optional<std::string> link_kind(hid_t parent, const char* name, const Where& w);
+// Text of a file in a message: printable ASCII as it is, other bytes as \xHH.
+std::string printable(std::string_view text);
 // The object type of a link (H5O_TYPE_GROUP, H5O_TYPE_DATASET...).
 H5O_type_t object_type(hid_t parent, const char* name, const Where& w);
 

@@ -223,8 +223,9 @@ ReaderState::Entry::Header ReaderState::read_header(const std::string& name) con
   Entry::Header e;
   const Where dw{path, name, "read the dataset header"};
   const Errc no = Errc::not_a_checkpoint;
-  if (!hdf5::hard_link_exists(h5.get(), name.c_str(), dw)) {
-    e.skipped = "a soft or external link (not followed)";
+  if (std::optional<std::string> link = hdf5::link_kind(h5.get(), name.c_str(), dw)) {
+    e.skipped = cat(*link, " (not followed)");
+    e.link = std::move(link);
     return e;
   }
   if (hdf5::object_type(h5.get(), name.c_str(), dw) != H5O_TYPE_DATASET) {
@@ -354,6 +355,11 @@ const ReaderState::Listing& listing(const ReaderState& m) {
     for (const std::string& name : hdf5::link_names(m.h5.get(), {m.path, "", "list the datasets"})) {
       if (name == meta_group) continue;
       const ReaderState::Entry& e = m.entry(name);
+      // A link names another object (h5py reads a soft or external link's target as if it were
+      // here): a checkpoint holds its tensors itself, and one that lists a tensor it does not hold
+      // is not one the library can copy or load whole.
+      if (e.link) m.refuse(cat(name, " is ", *e.link, ": a checkpoint holds its datasets itself and shardckpt follows ",
+                               "no links (remove it: del f['", name, "'] in h5py)"));
       if (e.info)
         out.all.push_back(*e.info);
       else

@@ -15,12 +15,14 @@ module;
 #include <exception>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <span>
 #include <system_error>
 #include <thread>
+#include <utility>
 #include <vector>
 module shardckpt.storage;
 import shardckpt.core;
@@ -28,6 +30,7 @@ import shardckpt.layout;
 import shardckpt.views;
 import :raw;
 import :reader_state;
+import shardckpt.guarded;
 
 namespace shardckpt {
 
@@ -48,6 +51,24 @@ struct FileMapping {
   std::byte* base = nullptr;
   std::size_t size = 0;
   std::optional<io::MappedRange> guard;
+  // The byte ranges of the file that tensors alive now lie over (begin -> end). Two tensors over the
+  // same bytes of one private mapping would be one memory (a dataset hard-linked under two names,
+  // rows of one reader asked for twice): a range that overlaps a lent one is not lent (its tensor is
+  // read into memory of its own), and a tensor gives its range back when it goes.
+  mutable Guarded<std::map<std::uint64_t, std::uint64_t>> lent;
+
+  // Lends bytes [begin, end) (offsets in the file) to one tensor: false where another tensor alive
+  // lies over any of them. An empty range shares nothing.
+  bool lend(std::uint64_t begin, std::uint64_t end) const {
+    if (begin >= end) return true;
+    const auto held = lent.lock();
+    const auto next = held->upper_bound(begin);  // the first range that starts after `begin`
+    if (next != held->end() && next->first < end) return false;
+    if (next != held->begin() && std::prev(next)->second > begin) return false;
+    held->emplace_hint(next, begin, end);
+    return true;
+  }
+  void give_back(std::uint64_t begin) const { lent.lock()->erase(begin); }
 
   FileMapping(const io::File& f, std::uint64_t size_at_open, const std::filesystem::path& path) {
     // The file the reader checked: the same inode (one descriptor), and still its size. A file that
@@ -105,14 +126,49 @@ struct FileMapping {
 
 namespace {
 
+// Bytes [begin, end) of a FileMapping lent to one tensor (FileMapping::lend), given back when the
+// lease goes: with the tensor over them, or with a batch that failed before it made one.
+class Lease {
+ public:
+  static std::optional<Lease> take(std::shared_ptr<const FileMapping> mapping, std::uint64_t begin, std::uint64_t end) {
+    if (!mapping->lend(begin, end)) return std::nullopt;
+    return Lease(std::move(mapping), begin, begin < end);
+  }
+  Lease(Lease&& other) noexcept
+      : mapping_(std::move(other.mapping_)), begin_(other.begin_), held_(std::exchange(other.held_, false)) {}
+  Lease& operator=(Lease&& other) noexcept {
+    if (this != &other) {
+      give_back();
+      mapping_ = std::move(other.mapping_);
+      begin_ = other.begin_;
+      held_ = std::exchange(other.held_, false);
+    }
+    return *this;
+  }
+  Lease(const Lease&) = delete;
+  Lease& operator=(const Lease&) = delete;
+  ~Lease() { give_back(); }
+  const FileMapping& mapping() const { return *mapping_; }
+
+ private:
+  void give_back() noexcept {
+    if (std::exchange(held_, false)) mapping_->give_back(begin_);
+  }
+  Lease(std::shared_ptr<const FileMapping> mapping, std::uint64_t begin, bool held)
+      : mapping_(std::move(mapping)), begin_(begin), held_(held) {}
+  std::shared_ptr<const FileMapping> mapping_;
+  std::uint64_t begin_ = 0;
+  bool held_ = false;
+};
+
 // One tensor's bytes inside a mapping, which lives as long as the last of them.
 class MappedRows final : public Allocation {
  public:
-  MappedRows(std::shared_ptr<const FileMapping> mapping, std::byte* at, std::size_t bytes)
-      : Allocation(at, bytes, MemorySpace::host()), mapping_(std::move(mapping)) {}
+  MappedRows(Lease lease, std::byte* at, std::size_t bytes)
+      : Allocation(at, bytes, MemorySpace::host()), lease_(std::move(lease)) {}
 
  private:
-  std::shared_ptr<const FileMapping> mapping_;
+  Lease lease_;
 };
 
 // A tensor joined from runs of the file (a fused weight's blocks, each whole rows of its own
@@ -487,7 +543,7 @@ void check_runs(const ReaderState& m, std::span<const CheckRun> runs, const Page
 // The memory a tensor's parts are mapped into: the reader's mapping of the whole file (one part), or
 // runs of it joined (several).
 struct Mapping {
-  std::shared_ptr<FileMapping> whole;
+  std::optional<Lease> whole;
   std::unique_ptr<JoinedRuns> joined;
 };
 
@@ -516,8 +572,12 @@ std::optional<Mapping> locate_and_map(const ReaderState& m, std::vector<Located>
     adjacent = adjacent && located[i].at == located[i - 1].at + located[i - 1].bytes;
   Mapping out;
   if (adjacent) {
-    out.whole = m.mapping.get([&] { return std::make_shared<FileMapping>(m.file, m.file_size, m.path); });
-    if (!out.whole->guarded()) return std::nullopt;  // too many mappings registered: read instead
+    std::shared_ptr<FileMapping> whole =
+        m.mapping.get([&] { return std::make_shared<FileMapping>(m.file, m.file_size, m.path); });
+    if (!whole->guarded()) return std::nullopt;  // too many mappings registered: read instead
+    // Bytes another tensor alive lies over: read instead, so that the two never share memory.
+    out.whole = Lease::take(std::move(whole), located.front().at, located.back().at + located.back().bytes);
+    if (!out.whole) return std::nullopt;
     return out;
   }
   // Joined runs: each on a page of the file, all but the last whole pages.
@@ -565,7 +625,7 @@ std::optional<Prepared> prepare(const ReaderState& m, const MapRequest& request,
   if (!mapped) return std::nullopt;
   out.mapping = std::move(*mapped);
   // regions_for checked each region against the file's size at the open, which the mapping matches.
-  out.rows = out.mapping.whole ? out.mapping.whole->base + out.located.front().at : out.mapping.joined->data();
+  out.rows = out.mapping.whole ? out.mapping.whole->mapping().base + out.located.front().at : out.mapping.joined->data();
   return out;
 }
 
@@ -636,7 +696,7 @@ std::vector<std::optional<SharedBuffer>> CheckpointReader::map_all(std::span<con
       for (const Located& p : t.located)
         if (!p.slabs) options.progress(static_cast<std::int64_t>(p.bytes));
     if (t.mapping.whole)
-      out[i] = SharedBuffer(std::make_shared<MappedRows>(std::move(t.mapping.whole), t.rows, t.bytes), requests[i].dtype,
+      out[i] = SharedBuffer(std::make_shared<MappedRows>(std::move(*t.mapping.whole), t.rows, t.bytes), requests[i].dtype,
                             requests[i].shape);
     else
       out[i] = SharedBuffer(std::shared_ptr<Allocation>(std::move(t.mapping.joined)), requests[i].dtype, requests[i].shape);

@@ -36,6 +36,7 @@ struct DatasetEntry {
   struct Header {
     std::optional<Dataset> info;
     std::string skipped;                  // why it is not a tensor
+    std::optional<std::string> link;      // what it is when it is a link (not followed): "a soft link to '/y'"
     std::optional<std::string> external;  // the file beside the checkpoint that holds its bytes
     std::uint64_t external_offset = 0;
   };
@@ -47,11 +48,13 @@ struct DatasetEntry {
   explicit DatasetEntry(Header h)
       : info(std::move(h.info)),
         skipped(std::move(h.skipped)),
+        link(std::move(h.link)),
         external(std::move(h.external)),
         external_offset(h.external_offset) {}
 
   const std::optional<Dataset> info;
   const std::string skipped;
+  const std::optional<std::string> link;
   const std::optional<std::string> external;
   const std::uint64_t external_offset;
   Lazy<std::vector<RawRegion>> regions;  // empty where the raw path cannot address the bytes

@@ -103,6 +103,24 @@ class Mapped(unittest.TestCase):
         self.assertEqual(e.exception.code, "corrupt")
         self.assertIn("key w, rows [300, 301)", str(e.exception))
 
+    def test_a_dataset_hard_linked_under_two_names_reads_back_as_two_tensors(self):
+        # h5py's idiom for tied weights: f["tied"] = f["w"] is a second name of one dataset, whose
+        # bytes lie once in the file. Mapped, both would be one memory: each gets its own.
+        import h5py
+        with h5py.File(self.path, "r+") as f:
+            f["tied"] = f["w"]
+            slabs = f["_shardckpt/slabs"]
+            slabs.attrs["tied"] = slabs.attrs["w"]
+        got = sc.read(self.path)
+        a, tied = got["w"], got["tied"]
+        self.assertTrue(torch.equal(a, self.w) and torch.equal(tied, self.w))
+        self.assertTrue(mapped_from(a, self.path) or mapped_from(tied, self.path))  # one of them is mapped
+        a[0, 0] = -5
+        tied[1, 1] = -7
+        self.assertEqual(tied[0, 0].item(), self.w[0, 0].item())
+        self.assertEqual(a[1, 1].item(), self.w[1, 1].item())
+        self.assertEqual(a.data_ptr() == tied.data_ptr(), False)
+
 
 if __name__ == "__main__":
     unittest.main()

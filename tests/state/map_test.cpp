@@ -183,6 +183,38 @@ TEST(MappedLoad, ThreadRanksLoadThroughOneReaderAndOneMapping) {
   EXPECT_EQ(bases.size(), 1u) << "the thread ranks mapped the file " << bases.size() << " times";
 }
 
+// No two tensors share bytes: thread ranks that ask one reader for the same rows (a tensor every
+// rank holds whole) get one tensor over the mapping and copies of their own; once the mapped one is
+// gone, its rows are mapped again.
+TEST(MappedLoad, TwoTensorsOverTheSameBytesNeverShareMemory) {
+  ScratchDir dir;
+  save_tensors(dir / "a.h5", 0.25f);
+  std::vector<std::optional<LoadedState>> loaded(3);
+  run_ranks(3, [&](ProcessGroup& g) {
+    loaded[static_cast<std::size_t>(g.rank())].emplace(load(dir / "a.h5", request_of(0, rows), g));
+  });
+  int mapped = 0;
+  for (std::optional<LoadedState>& l : loaded) {
+    expect_rows(l->tensor("w").view(), 0, 0.25f);
+    mapped += mapped_from(l->tensor("w"), dir / "a.h5") ? 1 : 0;
+  }
+  EXPECT_EQ(mapped, 1);
+  for (std::size_t r = 0; r < loaded.size(); ++r) loaded[r]->tensor("w").mut_view().as<float>()[5] = -1.0f - static_cast<float>(r);
+  for (std::size_t r = 0; r < loaded.size(); ++r) EXPECT_EQ(loaded[r]->tensor("w").view().as<float>()[5], -1.0f - static_cast<float>(r));
+
+  const CheckpointReader reader(dir / "a.h5");
+  std::optional<LoadedState> first(load(reader, request_of(0, 64)));
+  EXPECT_TRUE(mapped_from(first->tensor("w"), dir / "a.h5"));
+  const LoadedState overlapping = load(reader, request_of(32, 64));
+  EXPECT_FALSE(mapped_from(overlapping.tensor("w"), dir / "a.h5"));
+  expect_rows(overlapping.tensor("w").view(), 32, 0.25f);
+  const LoadedState beside = load(reader, request_of(64, 64));  // no byte in common: mapped
+  EXPECT_TRUE(mapped_from(beside.tensor("w"), dir / "a.h5"));
+  first.reset();
+  const LoadedState again = load(reader, request_of(0, 64));
+  EXPECT_TRUE(mapped_from(again.tensor("w"), dir / "a.h5"));
+}
+
 // A mapped tensor is private: writing it changes neither the file nor another load's tensor. It
 // outlives the reader, and a save that replaces the file (a rename) leaves it as it was.
 TEST(MappedLoad, IsPrivateAndOutlivesTheReaderAndAReplacingSave) {
@@ -477,7 +509,11 @@ TEST(MappedLoad, ABatchOfTensorsIsCheckedInOnePassAndTheFirstChangeInTheFileIsNa
     for (std::size_t i = 0; i < asked.size(); ++i) {
       ASSERT_TRUE(got[i].has_value()) << keys[asked[i]];
       EXPECT_TRUE(mapped_from(*got[i], dir / "a.h5")) << keys[asked[i]];
-      const std::optional<SharedBuffer> one = reader.map(reader.dataset(keys[asked[i]]), whole, Extents{n, width});
+      // The same bytes again from this reader while the batch's tensor lives: not mapped (the two
+      // would be one memory); from a reader of its own, mapped alike.
+      EXPECT_FALSE(reader.map(reader.dataset(keys[asked[i]]), whole, Extents{n, width}).has_value()) << keys[asked[i]];
+      const CheckpointReader other(dir / "a.h5");
+      const std::optional<SharedBuffer> one = other.map(other.dataset(keys[asked[i]]), whole, Extents{n, width});
       ASSERT_TRUE(one.has_value());
       ASSERT_EQ(std::memcmp(one->view().data(), got[i]->view().data(), got[i]->bytes()), 0) << keys[asked[i]];
       EXPECT_EQ(got[i]->view().as<float>()[300 * width + 9], at(asked[i], 300, 9)) << keys[asked[i]];

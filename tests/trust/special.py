@@ -10,8 +10,8 @@ import h5py
 import numpy as np
 
 from tally import check
-from trust.support import A, CFG, Z, expect, inspect_json, one_error_line, plain_in, run, temporaries, tool, \
-    version1_metadata, work
+from trust.support import A, CFG, Z, demo, expect, inspect_json, one_error_line, plain_in, run, temporaries, \
+    tool, version1_metadata, work
 
 
 class BlockedWriter:
@@ -224,3 +224,40 @@ def adopt_drops_nothing():
         keys = sorted(t["key"] for t in j["tensors"]) if j else None
         check(keys == ["alias", "y", "z"], f"the adopted checkpoint holds {keys}, not every dataset of the input")
     print(f"adopt: {len(cases)} kinds of object it cannot adopt refused by name, none dropped")
+
+
+def checkpoint_links_refused():
+    """4. A link at the root of a checkpoint (soft, external to a sibling file, external to an absolute
+    path: h5py reads each as a dataset of the file) makes every command that takes the checkpoint whole
+    refuse it, naming the link and where it points: a reshard that dropped it would exit 0 with an output
+    that lacks a dataset h5py showed in the input."""
+    d = os.path.join(work, "ckptlinks")
+    os.mkdir(d)
+    sibling = os.path.join(d, "sibling.h5")
+    with h5py.File(sibling, "w") as f:
+        f["x"] = np.arange(8, dtype=np.float32)
+    cases = {
+        "an external link to a sibling file": (h5py.ExternalLink("sibling.h5", "/x"), "an external link to '/x' in the file 'sibling.h5'"),
+        "an external link to an absolute path": (h5py.ExternalLink(sibling, "/x"), f"an external link to '/x' in the file '{sibling}'"),
+        "a soft link": (None, "a soft link to '/"),
+    }
+    for i, (kind, (link, says)) in enumerate(cases.items()):
+        ck = os.path.join(d, f"ck{i}.h5")
+        expect(demo(ck), 0, f"demo for {kind}")
+        with h5py.File(ck, "r+") as f:
+            if link is None:  # a soft link to one of the checkpoint's own datasets
+                target = next(k for k in f if not k.startswith("_"))
+                link, says = h5py.SoftLink("/" + target), f"a soft link to '/{target}'"
+            f["linked"] = link
+        with h5py.File(ck, "r") as f:  # the premise: h5py reads it as a dataset of the checkpoint
+            check(isinstance(f["linked"], h5py.Dataset), f"h5py does not read {kind} as a dataset")
+        out = os.path.join(d, f"out{i}.h5")
+        for cmd in (["reshard", ck, out, "--tp", "1", "--gtp", "1", "--align", "0", "--quiet"], ["load", ck, "--quiet"],
+                    ["verify", ck]):
+            r = tool(*cmd)
+            what = f"{cmd[0]} of a checkpoint holding {kind}"
+            if expect(r, 2, what):
+                check(one_error_line(r) and "linked is " + says in r.err and "follows no links" in r.err,
+                      f"{what}: the error does not name the link and where it points: {r.err.strip()}")
+            check(not os.path.lexists(out) and temporaries(d, os.path.basename(out)) == [], f"{what}: an output was written")
+    print(f"checkpoint links: {len(cases)} kinds refused by reshard, load and verify, naming the link")
