@@ -52,6 +52,11 @@ struct SaveOptions {
   // for a name the caller fixes rather than the user (a backend's file in a directory another user
   // could write to): a link there is refused, Errc::invalid_argument naming it, and nothing is written.
   bool follow_links = true;
+  // Not empty: this rank refuses its input, for the reason it says (a front end's check that failed
+  // before the save, on this rank alone). The save's first collective step carries it, so every rank
+  // fails at once with Errc::invalid_argument naming this rank and the reason, and nothing is
+  // written: no rank waits on another's refusal, and the vote costs no round of its own.
+  std::string refused = {};
 };
 
 // Saves the state dicts of all ranks of `group` as one checkpoint at `path` (collective: every rank
@@ -86,6 +91,11 @@ Values load_into(const std::filesystem::path& path, StateDict& state, ProcessGro
                  LoadOptions options = {}, Replicas replicas = {});
 LoadedState load(const std::filesystem::path& path, const StateDict& request, ProcessGroup& group,
                  LoadOptions options = {}, Replicas replicas = {});
+// Opens the checkpoint at `path` on every rank of `group` (collective), as the loads above do: rank 0
+// checks the whole seal of its metadata and the others only that theirs has that seal; ranks that
+// are threads of one process share rank 0's reader. Every rank gets the reader or the same error.
+// A load through it (below) reads its tensors from that open file, whatever is at `path` by then.
+std::shared_ptr<const CheckpointReader> open_checkpoint(const std::filesystem::path& path, ProcessGroup& group);
 // The same through a checkpoint each rank has open already (thread ranks may share one reader):
 // records, common values and tensor bytes then come from that one open file, and the ranks check
 // that their readers hold the same checkpoint (CheckpointReader::fingerprint) before anything is read.

@@ -68,6 +68,10 @@ struct LoadOptions {
   // When set, the checkpoint must carry this id (CheckpointContents::id): a checkpoint that another
   // save replaced since the caller looked at it is Errc::replaced, not a silent switch.
   std::string expect_id = {};
+  // Not empty (a collective load): this rank refuses its input, for the reason it says. The load's
+  // first collective step carries it: every rank fails at once with Errc::invalid_argument naming
+  // this rank and the reason, before anything is read. A load of one process alone throws it.
+  std::string refused = {};
   // Told, on the rank that reads them, how many more bytes were read (progress reports).
   BytesDone progress = {};
   // Pinned buffers through which destinations in device memory are filled; none: the library's pool

@@ -70,27 +70,6 @@ std::shared_ptr<const CheckpointReader> open_agreed(const fs::path& path, Proces
   return reader;
 }
 
-// Every rank opened the checkpoint on its own (or was given one reader): they must all have opened
-// the same one, in content as well as in name.
-void agree_on_checkpoint(const CheckpointReader& reader, ProcessGroup& group) {
-  const std::uint64_t mine = reader.fingerprint();
-  (void)decide_at_root(
-      group, cat("loading ", reader.path().string()),
-      [&] {
-        const auto bytes = std::as_bytes(std::span(&mine, 1));
-        return Bytes(bytes.begin(), bytes.end());
-      },
-      [&](const std::vector<std::span<const std::byte>>& all) {
-        for (std::size_t r = 0; r < all.size(); ++r) {
-          std::uint64_t theirs = 0;
-          if (all[r].size() == sizeof theirs) std::memcpy(&theirs, all[r].data(), sizeof theirs);
-          require(theirs == mine, Errc::replaced, "rank 0 opened checkpoint ", reader.contents().id, " but rank ", r,
-                  " opened another one (the path was replaced while the ranks opened it, or another tool changed a copy)");
-        }
-        return Bytes();
-      });
-}
-
 // Whether the data-parallel copies of this rank's shards can share their reads: the group must be
 // able to move every destination's memory, on every copy.
 bool can_share(ProcessGroup& replicas, const std::vector<ReplicaRows>& rows) {
@@ -116,19 +95,29 @@ void check_replicas(const StateDict& state, const ProcessGroup& replicas) {
   for (const ShardedParam& p : state.params()) check(p.spec.key, p.replica_id, p.replicas);
 }
 
-// Every rank's destinations are there, writable and disjoint; ranks that are threads of one process
-// also must not share memory with each other (rank 0 checks them all together).
-void check_destinations(StateDict& state, ProcessGroup& group, const fs::path& path) {
+// What every rank checks before a load reads a byte, in one exchange (each exchange is a round of the
+// group, which a small load feels): that no rank refused its input (LoadOptions::refused); that every
+// rank opened the same checkpoint, in content as well as in name (each opened it on its own, or was
+// given one reader); that every rank's destinations are there, writable and disjoint (ranks that are
+// threads of one process also must not share memory with each other: rank 0 checks them all
+// together). Returns this rank's rows whose data-parallel copies could share their reads.
+std::vector<ReplicaRows> check_before_reading(const CheckpointReader& reader, StateDict& state, ProcessGroup& group,
+                                              const LoadOptions& options) {
   const bool across = group.threads_of_one_process() && group.size() > 1;
+  const std::uint64_t mine = reader.fingerprint();
+  std::vector<ReplicaRows> shared;
   (void)decide_at_root(
-      group, cat("checking the destinations of a load of ", path.string()),
+      group, cat("loading ", reader.path().string()),
       [&] {
-        const std::vector<LoadTarget> mine = load_targets(state);
-        require_disjoint(mine, cat("rank ", group.rank()));
+        require(options.refused.empty(), Errc::invalid_argument, options.refused);
+        const std::vector<LoadTarget> targets = load_targets(state);
+        require_disjoint(targets, cat("rank ", group.rank()));
+        shared = replica_rows(state);
         Writer w;
+        w.i64(static_cast<std::int64_t>(mine));
         if (!across) return w.take();
-        w.i64(static_cast<std::int64_t>(mine.size()));
-        for (const LoadTarget& t : mine) {
+        w.i64(static_cast<std::int64_t>(targets.size()));
+        for (const LoadTarget& t : targets) {
           w.str(t.key);
           w.u8(static_cast<std::uint8_t>(t.space.kind));
           w.i64(t.space.device);
@@ -138,10 +127,13 @@ void check_destinations(StateDict& state, ProcessGroup& group, const fs::path& p
         return w.take();
       },
       [&](const std::vector<std::span<const std::byte>>& payloads) {
-        if (!across) return Bytes();
         std::vector<LoadTarget> all;
         for (std::size_t rank = 0; rank < payloads.size(); ++rank) {
           Reader r(payloads[rank]);
+          const auto theirs = static_cast<std::uint64_t>(r.i64());
+          require(theirs == mine, Errc::replaced, "rank 0 opened checkpoint ", reader.contents().id, " but rank ", rank,
+                  " opened another one (the path was replaced while the ranks opened it, or another tool changed a copy)");
+          if (!across) continue;
           for (std::int64_t n = r.i64(); n > 0; --n) {
             LoadTarget t;
             t.key = cat("rank ", rank, "'s ", r.str());
@@ -152,14 +144,16 @@ void check_destinations(StateDict& state, ProcessGroup& group, const fs::path& p
             all.push_back(std::move(t));
           }
         }
-        require_disjoint(std::move(all), "thread ranks of one process");
+        if (across) require_disjoint(std::move(all), "thread ranks of one process");
         return Bytes();
       });
+  return shared;
 }
 
 }  // namespace
 
 Values load_into(const CheckpointReader& reader, StateDict& state, LoadOptions options) {
+  require(options.refused.empty(), Errc::invalid_argument, options.refused);
   return load_with(reader, state, options, CheckpointKind::global);
 }
 
@@ -170,6 +164,7 @@ Values load_into(const fs::path& path, StateDict& state, LoadOptions options) {
 }
 
 LoadedState load(const CheckpointReader& reader, const StateDict& request, LoadOptions options) {
+  require(options.refused.empty(), Errc::invalid_argument, options.refused);
   return load_new(reader, request, options);
 }
 
@@ -179,14 +174,15 @@ LoadedState load(const fs::path& path, const StateDict& request, LoadOptions opt
   return load(reader, request, std::move(options));
 }
 
+std::shared_ptr<const CheckpointReader> open_checkpoint(const fs::path& path, ProcessGroup& group) {
+  return open_agreed(path, group);
+}
+
 Values load_into(const CheckpointReader& reader, StateDict& state, ProcessGroup& group, LoadOptions options,
                  Replicas replicas) {
   require_thread_safe_hdf5(group.threads_of_one_process() && group.size() > 1);
-  agree(group, cat("loading ", reader.path().string()), [&] { agree_on_checkpoint(reader, group); });
-  check_destinations(state, group, reader.path());
+  const std::vector<ReplicaRows> shared = check_before_reading(reader, state, group, options);
   if (group.rank() == 0) notice_unchecked(reader, options);
-  std::vector<ReplicaRows> shared;
-  agree(group, cat("loading ", reader.path().string()), [&] { shared = replica_rows(state); });
   const bool share = replicas && replicas.group().size() > 1 && !shared.empty() && can_share(replicas.group(), shared);
   std::optional<Values> out;
   agree(group, cat("loading ", reader.path().string()), [&] {
@@ -210,7 +206,10 @@ Values load_into(const fs::path& path, StateDict& state, ProcessGroup& group, Lo
 LoadedState load(const CheckpointReader& reader, const StateDict& request, ProcessGroup& group, LoadOptions options,
                  Replicas replicas) {
   std::optional<Allocated> a;
-  agree(group, cat("loading ", reader.path().string()), [&] { a.emplace(map_or_allocate(reader, request, options, false)); });
+  agree(group, cat("loading ", reader.path().string()), [&] {
+    require(options.refused.empty(), Errc::invalid_argument, options.refused);
+    a.emplace(map_or_allocate(reader, request, options, false));
+  });
   Values values = load_into(reader, a->state, group, std::move(options), replicas);
   return LoadedState(std::move(a->buffers), std::move(values));
 }

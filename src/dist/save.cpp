@@ -288,9 +288,9 @@ void commit(ProcessGroup& group, SaveTarget& dest, const Digests& mine) {
 // processes. Each rank first opens the temporary file rank 0 created and checks that it is that file.
 void write_pieces(ProcessGroup& group, const SavePlan& plan, const Created& created, SaveTarget& dest,
                   const SaveOptions& options, const RowsStaged& staged) {
-  agree(group, "opening the temporary file", [&] {
+  const auto open = [&] {
     if (!dest.checkpoint) dest.opened.emplace(io::TemporaryFile::open_created(dest.dir, dest.name, dest.identity));
-  });
+  };
   const auto write_mine = [&] {
     std::optional<std::int64_t> first;
     if (created.slot) first = created.slot->first_checksum;
@@ -300,7 +300,15 @@ void write_pieces(ProcessGroup& group, const SavePlan& plan, const Created& crea
     PiecesWritten done = writer.finish();
     if (dest.checkpoint) dest.mine.emplace(std::move(done));
   };
-  if (options.method == IoMethod::raw) return agree(group, "writing pieces", write_mine);
+  // The raw path: each rank opens the file and writes its pieces in one step (a rank that cannot open
+  // it fails the step like one that cannot write; rank 0's pieces written meanwhile go with the
+  // temporary file). Each step is a round of the group, which a small save feels.
+  if (options.method == IoMethod::raw)
+    return agree(group, "opening the temporary file and writing pieces", [&] {
+      open();
+      write_mine();
+    });
+  agree(group, "opening the temporary file", open);
   for (int turn = 0; turn < group.size(); ++turn)
     agree(group, "writing pieces", [&] {
       if (turn == group.rank()) write_mine();
@@ -329,6 +337,8 @@ void save_with(const std::function<SavePlan()>& make_plan, const fs::path& path,
     const Bytes verdict = decide_at_root(
         group, "planning, validating and creating the checkpoint",
         [&] {
+          // A rank that refused its input says so here, in the first exchange: every rank fails at once.
+          require(options.refused.empty(), Errc::invalid_argument, options.refused);
           plan = make_plan();
           Bytes payload = planning_payload(plan, path, me);
           digests.sent = digest(payload);

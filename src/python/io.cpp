@@ -40,8 +40,10 @@ SaveOptions save_options(const std::string& method, bool checksums, bool follow_
 }
 
 LoadOptions load_options(const std::string& method, bool verify_checksums,
-                         bool bypass_page_cache, std::string expect_id) {
+                         bool bypass_page_cache, std::string expect_id, std::string refused = {}) {
   LoadOptions o;
+  // A front end's refusal on this rank, voted on in the load's first exchange (LoadOptions::refused).
+  o.refused = std::move(refused);
   o.method = method_arg(method);
   o.verify_checksums = verify_checksums;
   o.bypass_page_cache = bypass_page_cache;
@@ -330,13 +332,108 @@ void bind_saver_saves(py::class_<PySaver>& saver) {
 
 void bind_tools(py::module_& m);
 
+// The loaded tensors of `request` (its scalars as 0-d tensors) and the values.
+py::dict loaded_dict(LoadedState& loaded, const PyStateDict& request) {
+  std::set<std::string, std::less<>> scalars;
+  for (const ShardedTensor& t : request.state.tensors())
+    if (t.scalar()) scalars.insert(t.key);
+  return tensors_dict(loaded, scalars);
+}
+
+// An open checkpoint, as Python holds it: one reader (open_checkpoint: collective over a group, rank
+// 0 checking the seal; the ranks' readers hold one checkpoint), from which inspect's report and
+// every load through it come, so that a load's records, common values and tensors are one file's
+// whatever another save puts at the path meanwhile. close() lets the file go (loads through it then
+// refuse); the tensors a load mapped keep their pages either way.
+class PyCheckpoint {
+ public:
+  explicit PyCheckpoint(std::shared_ptr<const CheckpointReader> reader) : reader_(std::move(reader)) {}
+  const CheckpointReader& reader() const {
+    require(reader_ != nullptr, Errc::invalid_argument, "this checkpoint was closed");
+    return *reader_;
+  }
+  std::shared_ptr<const CheckpointReader> held() const {
+    reader();
+    return reader_;
+  }
+  void close() { reader_.reset(); }
+  bool closed() const { return reader_ == nullptr; }
+
+ private:
+  std::shared_ptr<const CheckpointReader> reader_;
+};
+
+void bind_checkpoint(py::module_& m) {
+  py::class_<PyCheckpoint>(m, "Checkpoint")
+      .def_property_readonly("path", [](const PyCheckpoint& c) { return c.reader().path(); })
+      .def_property_readonly("checkpoint_id", [](const PyCheckpoint& c) { return c.reader().contents().id; })
+      .def_property_readonly("closed", &PyCheckpoint::closed)
+      // inspect's report of this open file (records, common values, tensors, their dtypes and shapes).
+      .def("inspect",
+           [](const PyCheckpoint& c) {
+             const std::shared_ptr<const CheckpointReader> reader = c.held();
+             std::optional<InspectReport> report;
+             {
+               py::gil_scoped_release nogil;
+               report.emplace(inspect_checkpoint(*reader));
+             }
+             return inspect_dict(*report);
+           })
+      .def("load_into",
+           [](const PyCheckpoint& c, PyStateDict& state, py::object group, const std::string& method,
+              bool verify_checksums, bool bypass_page_cache, std::string refused) {
+             const std::shared_ptr<const CheckpointReader> reader = c.held();
+             LoadOptions o = load_options(method, verify_checksums, bypass_page_cache, {}, std::move(refused));
+             GroupArg g(group);
+             const Values values = resolve(state).run([&](StateDict& st) {
+               py::gil_scoped_release nogil;
+               return load_into(*reader, st, g.get(), std::move(o));
+             });
+             return python_values(values);
+           },
+           py::arg("state"), py::arg("group") = py::none(), py::arg("method") = "raw",
+           py::arg("verify_checksums") = true, py::arg("bypass_page_cache") = false, py::arg("refused") = "")
+      .def("load",
+           [](const PyCheckpoint& c, const PyStateDict& request, py::object group, const std::string& method,
+              bool verify_checksums, bool map, std::string refused) {
+             const std::shared_ptr<const CheckpointReader> reader = c.held();
+             LoadOptions o = load_options(method, verify_checksums, false, {}, std::move(refused));
+             o.map = map;
+             GroupArg g(group);
+             std::optional<LoadedState> loaded;
+             {
+               py::gil_scoped_release nogil;
+               loaded.emplace(load(*reader, request.state, g.get(), std::move(o)));
+             }
+             return loaded_dict(*loaded, request);
+           },
+           py::arg("request"), py::arg("group") = py::none(), py::arg("method") = "raw",
+           py::arg("verify_checksums") = true, py::arg("map") = true, py::arg("refused") = "")
+      .def("close", &PyCheckpoint::close);
+  m.def(
+      "open",
+      [](const Path& path, py::object group) {
+        GroupArg g(group);
+        std::shared_ptr<const CheckpointReader> reader;
+        {
+          py::gil_scoped_release nogil;
+          reader = open_checkpoint(path, g.get());
+        }
+        return PyCheckpoint(std::move(reader));
+      },
+      py::arg("path"), py::arg("group") = py::none());
+}
+
 }  // namespace
 
 void bind_io(py::module_& m) {
+  // `refused`: this rank's refusal of its input, found by a front end before the call (its message);
+  // the call's first exchange carries it, so that every rank fails at once (SaveOptions::refused).
   m.def("save",
         [](const PyStateDict& state, const Path& path, py::object group, const std::string& method, bool checksums,
-           bool follow_links) {
+           bool follow_links, std::string refused) {
           SaveOptions o = save_options(method, checksums, follow_links);
+          o.refused = std::move(refused);
           GroupArg g(group);
           resolve(state).run([&](StateDict& st) {
             py::gil_scoped_release nogil;
@@ -344,11 +441,11 @@ void bind_io(py::module_& m) {
           });
         },
         py::arg("state"), py::arg("path"), py::arg("group") = py::none(), py::arg("method") = "raw",
-        py::arg("checksums") = true, py::arg("follow_links") = true);
+        py::arg("checksums") = true, py::arg("follow_links") = true, py::arg("refused") = "");
   m.def("load_into",
         [](const Path& path, PyStateDict& state, py::object group, const std::string& method, bool verify_checksums,
-           bool bypass_page_cache, std::string expect_id) {
-          LoadOptions o = load_options(method, verify_checksums, bypass_page_cache, std::move(expect_id));
+           bool bypass_page_cache, std::string expect_id, std::string refused) {
+          LoadOptions o = load_options(method, verify_checksums, bypass_page_cache, std::move(expect_id), std::move(refused));
           GroupArg g(group);
           const Values values = resolve(state).run([&](StateDict& st) {
             py::gil_scoped_release nogil;
@@ -357,11 +454,12 @@ void bind_io(py::module_& m) {
           return python_values(values);
         },
         py::arg("path"), py::arg("state"), py::arg("group") = py::none(), py::arg("method") = "raw",
-        py::arg("verify_checksums") = true, py::arg("bypass_page_cache") = false, py::arg("expect_id") = "");
+        py::arg("verify_checksums") = true, py::arg("bypass_page_cache") = false, py::arg("expect_id") = "",
+        py::arg("refused") = "");
   m.def("load",
         [](const Path& path, const PyStateDict& request, py::object group, const std::string& method,
-           bool verify_checksums, bool map, std::string expect_id) {
-          LoadOptions o = load_options(method, verify_checksums, false, std::move(expect_id));
+           bool verify_checksums, bool map, std::string expect_id, std::string refused) {
+          LoadOptions o = load_options(method, verify_checksums, false, std::move(expect_id), std::move(refused));
           o.map = map;
           GroupArg g(group);
           std::optional<LoadedState> loaded;
@@ -369,13 +467,11 @@ void bind_io(py::module_& m) {
             py::gil_scoped_release nogil;
             loaded.emplace(load(path, request.state, g.get(), std::move(o)));
           }
-          std::set<std::string, std::less<>> scalars;
-          for (const ShardedTensor& t : request.state.tensors())
-            if (t.scalar()) scalars.insert(t.key);
-          return tensors_dict(*loaded, scalars);
+          return loaded_dict(*loaded, request);
         },
         py::arg("path"), py::arg("request"), py::arg("group") = py::none(), py::arg("method") = "raw",
-        py::arg("verify_checksums") = true, py::arg("map") = true, py::arg("expect_id") = "");
+        py::arg("verify_checksums") = true, py::arg("map") = true, py::arg("expect_id") = "", py::arg("refused") = "");
+  bind_checkpoint(m);
   m.def("read",
         [](const Path& path, std::int64_t tp, std::int64_t tp_rank, bool map) {
           std::optional<ReadAll> read;

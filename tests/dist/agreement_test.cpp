@@ -294,3 +294,104 @@ TEST(Names, NulBytesAndOverlongNamesAreRefusedBeforeAnythingIsWritten) {
 }
 
 }  // namespace
+
+namespace {
+
+SharedBuffer filled(float value) {
+  SharedBuffer b = SharedBuffer::zeros(DType::f32, {2, 2});
+  for (float& v : b.mut_view().as<float>()) v = value;
+  return b;
+}
+
+StateDict rows_of_rank(SharedBuffer& b, int rank, int ranks) {
+  StateDict s;
+  s.add(ShardedTensor::of("t", b, {2 * ranks, 2}, {2 * rank, 0}));
+  return s;
+}
+
+}  // namespace
+
+// A front end that refused its input on one rank (SaveOptions::refused, LoadOptions::refused) fails
+// every rank in the call's first exchange: one gather and one broadcast, the reason and the rank
+// named on every rank, nothing written or read; and the calls take as few rounds as they need.
+TEST(Refusals, OneRankRefusingItsInputFailsEveryRankInTheFirstExchange) {
+  ScratchDir dir;
+  const auto path = dir / "c.h5";
+  std::vector<std::string> messages;
+  std::vector<int> calls(3);
+  auto codes = outcomes(
+      3,
+      [&](ProcessGroup& g) {
+        SharedBuffer b = SharedBuffer::zeros(DType::f32, {2, 2});
+        DyingGroup counting(g, -1);
+        SaveOptions o;
+        if (g.rank() == 1) o.refused = "w: a tensor on the meta device has no bytes to save";
+        try {
+          save(rows_of_rank(b, g.rank(), 3), path, counting, o);
+        } catch (...) {
+          calls[static_cast<std::size_t>(g.rank())] = counting.calls;
+          throw;
+        }
+      },
+      &messages);
+  for (const auto& code : codes) EXPECT_EQ(code, Errc::invalid_argument);
+  for (const int c : calls) EXPECT_EQ(c, 2);  // the planning gather and its verdict
+  ASSERT_EQ(messages.size(), 3u);
+  for (const std::string& m : messages)
+    EXPECT_NE(m.find("failed on rank 1: w: a tensor on the meta device"), std::string::npos) << m;
+  EXPECT_FALSE(std::filesystem::exists(path));
+  EXPECT_TRUE(testing_support::temporary_files(dir.path()).empty());
+
+  // A save without refusals: planning, the writes (each rank opening the file as it writes), the commit.
+  run_ranks(3, [&](ProcessGroup& g) {
+    SharedBuffer b = filled(static_cast<float>(g.rank()));
+    DyingGroup counting(g, -1);
+    save(rows_of_rank(b, g.rank(), 3), path, counting);
+    calls[static_cast<std::size_t>(g.rank())] = counting.calls;
+  });
+  for (const int c : calls) EXPECT_EQ(c, 6);
+
+  // A load through readers the ranks opened: refused by rank 2 in its first exchange, nothing read.
+  messages.clear();
+  codes = outcomes(
+      3,
+      [&](ProcessGroup& g) {
+        const std::shared_ptr<const CheckpointReader> reader = open_checkpoint(path, g);
+        SharedBuffer b = filled(-1.0f);
+        StateDict s = rows_of_rank(b, g.rank(), 3);
+        DyingGroup counting(g, -1);
+        LoadOptions o;
+        if (g.rank() == 2) o.refused = "state_dict['x']: not in the checkpoint";
+        try {
+          (void)load_into(*reader, s, counting, o);
+        } catch (...) {
+          calls[static_cast<std::size_t>(g.rank())] = counting.calls;
+          EXPECT_EQ(b.view().as<float>()[0], -1.0f);  // nothing read
+          throw;
+        }
+      },
+      &messages);
+  for (const auto& code : codes) EXPECT_EQ(code, Errc::invalid_argument);
+  for (const int c : calls) EXPECT_EQ(c, 2);
+  ASSERT_EQ(messages.size(), 3u);
+  for (const std::string& m : messages)
+    EXPECT_NE(m.find("failed on rank 2: state_dict['x']: not in the checkpoint"), std::string::npos) << m;
+  // Without: the checks before reading, then the reads.
+  run_ranks(3, [&](ProcessGroup& g) {
+    const std::shared_ptr<const CheckpointReader> reader = open_checkpoint(path, g);
+    SharedBuffer b = SharedBuffer::zeros(DType::f32, {2, 2});
+    StateDict s = rows_of_rank(b, g.rank(), 3);
+    DyingGroup counting(g, -1);
+    (void)load_into(*reader, s, counting);
+    calls[static_cast<std::size_t>(g.rank())] = counting.calls;
+    EXPECT_EQ(b.view().as<float>()[3], static_cast<float>(g.rank()));
+  });
+  for (const int c : calls) EXPECT_EQ(c, 4);
+  // One process alone: the refusal is its error.
+  SharedBuffer b = SharedBuffer::zeros(DType::f32, {6, 2});
+  StateDict s;
+  s.add(ShardedTensor::of("t", b, {6, 2}, {0, 0}));
+  EXPECT_EQ(testing_support::error_of([&] { (void)load_into(path, s, LoadOptions{.refused = "no"}); }).code(), Errc::invalid_argument);
+  EXPECT_EQ(testing_support::error_of([&] { save(s, dir / "d.h5", SaveOptions{.refused = "no"}); }).code(), Errc::invalid_argument);
+  EXPECT_FALSE(std::filesystem::exists(dir / "d.h5"));
+}
