@@ -7,7 +7,8 @@
 
 `path` is one HDF5 checkpoint of shardckpt's format (checksummed rows, sealed metadata, atomic
 commit): each tensor of DCP's flattened state dict is a dataset at its global shape named by DCP's
-key, each rank writing its own chunks at their offsets in its own dtype (bf16 included); DCP's bytes
+key, each rank writing its own chunks at their offsets in its own dtype (bf16 included; bool as uint8
+bytes, recorded in the common value "shardckpt.dtypes" and reported as bool again); DCP's bytes
 items (the values DCP pickles with torch.save: an optimizer's param_groups, say) are 1-D uint8
 datasets, listed in the common value BYTES_KEY. DCP's planner data (how its flat keys map back to the
 nested state dict) is the common value PLANNER_DATA_KEY. The Reader reads such a checkpoint, a
@@ -16,7 +17,10 @@ adopted safetensors one.
 
 The Writer saves in write_data, where every rank of DCP's group calls it: one collective save of the
 library over `group` (None: torch.distributed's default group when initialized), which should be the
-group given to dcp.save / dcp.async_save. The Reader reads each rank's own requests, alone.
+group given to dcp.save / dcp.async_save. The Reader reads each rank's own requests, alone, from
+the checkpoint its read_metadata opened, into DCP's tensors in place where they are contiguous in the
+stored dtype (on any device), else through a temporary on the tensor's device. Entries, dtypes,
+copies, bytes and votes are the package's adapter's (_adapter.py), as for the other front ends.
 """
 import io
 import json
@@ -30,20 +34,31 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from . import _core
-from .state_dict import TORCH_DTYPE_NAMES, _stored, agree, default_group
+from ._adapter import (Load, as_bytes, bytes_entry, default_group, entry, open_checkpoint, recorded_dtypes, torch_dtype,
+                       vote, write_dtypes)
 
 __all__ = ["BYTES_KEY", "PLANNER_DATA_KEY", "Reader", "Writer"]
 
 BYTES_KEY = "dcp.bytes"
 PLANNER_DATA_KEY = "dcp.planner_data"
 
-_TORCH_DTYPES = {name: getattr(torch, torch_name) for name, torch_name in TORCH_DTYPE_NAMES.items()}
-
 
 def _done(value):
     future = Future()
     future.set_result(value)
     return future
+
+
+def _dtypes(item_lists):
+    """{key: dtype name} of the tensors of these write items stored as another dtype's bytes (bool)."""
+    out = {}
+    for items in item_lists:
+        for item in items:
+            if item.type != WriteItemType.BYTE_IO and item.tensor_data is not None:
+                name = as_bytes(item.tensor_data.properties.dtype)
+                if name:
+                    out[item.index.fqn] = name
+    return out
 
 
 class _Path:
@@ -102,7 +117,7 @@ class Writer(_Path, StorageWriter):
         for p in plans:
             if isinstance(p.planner_data, dict):
                 mapping.update({k: list(v) for k, v in p.planner_data.items()})
-        shared = {"bytes": byte_keys, "planner_data": mapping}
+        shared = {"bytes": byte_keys, "planner_data": mapping, "dtypes": _dtypes(p.items for p in plans)}
         from dataclasses import replace
         return [replace(p, storage_data=shared) for p in plans]
 
@@ -116,21 +131,20 @@ class Writer(_Path, StorageWriter):
                 key = item.index.fqn
                 if item.type == WriteItemType.BYTE_IO:
                     raw = data.getvalue()
-                    t = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
-                    state.add(_core.ShardedTensor(key, t, [len(raw)], [0]))
+                    state.add(bytes_entry(key, raw))
                     size = len(raw)
                 else:
-                    t = _stored(data)
-                    chunk = item.tensor_data.chunk
-                    state.add(_core.ShardedTensor(key, t, list(item.tensor_data.size), list(chunk.offsets)))
-                    size = t.numel() * t.element_size()
+                    state.add(entry(key, data, item.tensor_data.size, item.tensor_data.chunk.offsets))
+                    size = data.numel() * data.element_size()
                 results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=None))
-            shared = plan.storage_data if isinstance(plan.storage_data, dict) else {"bytes": [], "planner_data": {}}
+            shared = plan.storage_data if isinstance(plan.storage_data, dict) else {
+                "bytes": [], "planner_data": {}, "dtypes": _dtypes([plan.items])}
             state.add_common(BYTES_KEY, json.dumps(shared["bytes"], separators=(",", ":")))
             state.add_common(PLANNER_DATA_KEY, json.dumps(shared["planner_data"], separators=(",", ":")))
+            write_dtypes(state, shared["dtypes"])
         except Exception as e:  # noqa: BLE001 - any refusal (a value DCP cannot pickle, say) is voted on
             failure = e
-        agree(group, failure)
+        vote(group, failure)
         save(state, _plain_path(self.path), group, **self._options)
         return _done(results)
 
@@ -152,8 +166,8 @@ class Reader(_Path, StorageReader):
     def __init__(self, path=None, bytes_items=True, **options):
         super().__init__(path, options)
         self._bytes_items = bool(bytes_items)
-        self._datasets = {}
-        self._id = None  # the checkpoint_id of the file read_metadata read
+        self._checkpoint = None  # the checkpoint read_metadata opened: read_data loads from it
+        self._dtypes = {}
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id):
@@ -163,20 +177,24 @@ class Reader(_Path, StorageReader):
         except (OSError, TypeError):
             return False
 
+    @property
+    def _id(self):
+        """The checkpoint_id of the file read_metadata read."""
+        return None if self._checkpoint is None else self._checkpoint.checkpoint_id
+
     def read_metadata(self, *args, **kwargs):
-        from . import inspect
         path = _plain_path(self.path)
         if os.path.isdir(path):
             raise IsADirectoryError(f"shardckpt.dcp.Reader: {path} is a directory, not a shardckpt checkpoint (a "
                                     "directory of .distcp files is read by DCP's FileSystemReader)")
-        info = inspect(path)
-        self._id = info["checkpoint_id"]
+        checkpoint = open_checkpoint(path)
+        common = checkpoint.common
         try:
-            byte_keys = json.loads(info["common"].get(BYTES_KEY, "[]"))
+            byte_keys = json.loads(common.get(BYTES_KEY, "[]"))
             if not isinstance(byte_keys, list) or not all(isinstance(k, str) for k in byte_keys):
                 raise ValueError(f"{BYTES_KEY} is not a list of keys")
             byte_keys = set(byte_keys)
-            raw = json.loads(info["common"].get(PLANNER_DATA_KEY, "{}"))
+            raw = json.loads(common.get(PLANNER_DATA_KEY, "{}"))
             if not isinstance(raw, dict) or not all(isinstance(v, list) and all(isinstance(p, (str, int)) for p in v)
                                                     for v in raw.values()):
                 raise ValueError(f"{PLANNER_DATA_KEY} is not a map of key paths")
@@ -184,26 +202,26 @@ class Reader(_Path, StorageReader):
         except (ValueError, AttributeError, TypeError, RecursionError) as e:
             raise _core.Error(f"{path}: the common value {BYTES_KEY!r} or {PLANNER_DATA_KEY!r} is not what "
                               f"shardckpt.dcp.Writer writes ({type(e).__name__}: {str(e)[:200]})") from None
+        dtypes = recorded_dtypes(checkpoint)
         entries = {}
-        self._datasets = {}
-        for t in info["tensors"]:
-            key, shape = t["key"], tuple(t["global_shape"])
-            self._datasets[key] = t
+        for key, t in checkpoint.datasets.items():
+            shape = tuple(t["global_shape"])
             if key in byte_keys:
                 entries[key] = BytesStorageMetadata()
             else:
                 size = torch.Size(shape)
                 entries[key] = TensorStorageMetadata(
-                    properties=TensorProperties(dtype=_TORCH_DTYPES[t["dtype"]]), size=size,
+                    properties=TensorProperties(dtype=torch_dtype(key, t, dtypes)), size=size,
                     chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=size)])
         for k in list(planner_data):
             if k not in entries:
                 del planner_data[k]
+        self._checkpoint, self._dtypes = checkpoint, dtypes
         return Metadata(state_dict_metadata=entries, planner_data=planner_data or None)
 
     def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs):
         self.is_coordinator = is_coordinator
-        if not self._datasets:  # metadata read by another Reader object
+        if self._checkpoint is None:  # metadata read by another Reader object
             self.read_metadata()
 
     def prepare_local_plan(self, plan):
@@ -225,8 +243,11 @@ class Reader(_Path, StorageReader):
         return plans
 
     def read_data(self, plan, planner):
-        from . import load_into
-        path = _plain_path(self.path)
+        checkpoint = self._checkpoint
+        if checkpoint is None:
+            self.read_metadata()
+            checkpoint = self._checkpoint
+        path = checkpoint.path
         # One load of the library per round, each key at most once in a round (a state dict of the
         # library holds a key once).
         rounds = []
@@ -238,9 +259,9 @@ class Reader(_Path, StorageReader):
             else:
                 rounds.append({req.storage_index.fqn: req})
         for r in rounds:
-            state, after = _core.StateDict(), []
+            load, after = Load(), []
             for key, req in r.items():
-                info = self._datasets.get(key)
+                info = checkpoint.datasets.get(key)
                 if info is None:
                     raise KeyError(f"{path}: no dataset {key!r}")
                 shape = list(info["global_shape"])
@@ -248,25 +269,20 @@ class Reader(_Path, StorageReader):
                     if not self._bytes_items:
                         raise _core.Error(f"{path}: the bytes item {key!r} would be unpickled by DCP (weights_only="
                                           "False), and this Reader was made with bytes_items=False")
-                    into = torch.empty(shape, dtype=torch.uint8)
-                    state.add(_core.ShardedTensor(key, into, shape, [0] * len(shape)))
-                    after.append((req, None, into))
+                    if len(shape) != 1:
+                        raise _core.Error(f"{path}: the bytes item {key!r} is a dataset of shape {tuple(shape)}, not "
+                                          "1-D bytes")
+                    after.append((req, None, load.bytes(key, shape[0])))
                     continue
+                # In place where it can be (any device), else through a temporary on its device.
                 target = planner.resolve_tensor(req).detach()
-                stored = _TORCH_DTYPES[info["dtype"]]
-                if target.device.type == "cpu" and target.dtype == stored and target.is_contiguous():
-                    into = target
-                else:
-                    into = torch.empty(tuple(req.lengths), dtype=stored)
-                state.add(_core.ShardedTensor(key, into, shape, list(req.storage_offsets)))
-                after.append((req, target, into))
+                load.tensor(key, target, torch_dtype(key, info, self._dtypes), shape, list(req.storage_offsets))
+                after.append((req, target, None))
             # The checkpoint every rank agreed on: a file replaced since is refused (code "replaced").
-            load_into(path, state, None, expect_id=self._id or "", **self._options)
-            for req, target, into in after:
+            load.run(checkpoint, None, **self._options)
+            for req, target, read in after:
                 if target is None:
-                    planner.load_bytes(req, io.BytesIO(into.numpy().tobytes()))
-                    continue
-                if into is not target:
-                    target.copy_(into)
-                planner.commit_tensor(req, target)
+                    planner.load_bytes(req, io.BytesIO(read.value()))
+                else:
+                    planner.commit_tensor(req, target)
         return _done(None)

@@ -75,8 +75,8 @@ except ImportError:  # 0.18 and later: strategies are torch_dist's, or objects t
 from . import _core
 from ._local import gtp_shard_factory, param_shard, to_state_dict
 from ._no_gather import no_gather
-from .state_dict import (_AS_BYTES, TORCH_DTYPE_NAMES, _stored, default_group, exchange, require_plain_bytes,
-                         stored_dtype)
+from ._adapter import (_AS_BYTES, Load, as_bytes, bytes_entry, default_group, entry, exchange, open_checkpoint,
+                       recorded_dtypes, require_plain_bytes, stored_dtype, torch_dtype, write_dtypes)
 
 __all__ = ["BACKEND", "FILE_NAME", "OBJECTS_KEY", "VERSION", "LoadStrategy", "SaveStrategy", "gtp_shard_factory",
            "gtp_sharded_state_dict", "no_gather", "to_state_dict"]
@@ -85,7 +85,8 @@ BACKEND = "shardckpt"
 VERSION = 1
 FILE_NAME = "shardckpt.h5"
 OBJECTS_KEY = "megatron.objects"  # {dataset name: ShardedObject unique key}, a JSON text
-DTYPES_KEY = "megatron.dtypes"  # {key: torch dtype} of tensors stored as another dtype's bytes (bool)
+DTYPES_KEY = "megatron.dtypes"  # {key: torch dtype} of tensors stored as another dtype's bytes (bool); the
+# adapter's "shardckpt.dtypes" holds the same, and is read first
 FORMAT_KEY = "megatron.format"
 COMMON_STATE = "common_state"  # the ShardedObject that holds Megatron's common state (0.18 and later)
 
@@ -109,7 +110,7 @@ def _as_checkpointing(e):
 
 
 def _exchange(group, payload, failure):
-    """state_dict.exchange, a failure that is no builtin raised on the other ranks as Megatron's
+    """The adapter's exchange, a failure that is no builtin raised on the other ranks as Megatron's
     CheckpointingException."""
     return exchange(group, payload, failure if failure is None else _as_checkpointing(failure),
                     otherwise=CheckpointingException)
@@ -179,12 +180,12 @@ def _plan_save(sharded_state_dict, group):
         for sh in tensors:
             name = stored_dtype(sh.dtype, sh.key, CheckpointingException, " (dequantize FP8 first)")
             view = _view(sh, loading=False)
-            if name in _AS_BYTES:
+            if as_bytes(name):
                 mine["bytes_as"][sh.key] = name
-            entry = [sh.key, list(sh.global_offset), list(view.shape), bool(is_main_replica(sh.replica_id)),
-                     list(sh.global_shape)]
-            parts.append((entry, sh, view))
-            mine["t"].append(entry)
+            listed = [sh.key, list(sh.global_offset), list(view.shape), bool(is_main_replica(sh.replica_id)),
+                      list(sh.global_shape)]
+            parts.append((listed, sh, view))
+            mine["t"].append(listed)
         for obj in sharded_objects:
             main = bool(is_main_replica(obj.replica_id))
             mine["o"].append([obj.unique_key, main])
@@ -236,19 +237,20 @@ def _plan_save(sharded_state_dict, group):
                 replica_id, replicas = 0, 1
             else:
                 replica_id, replicas = _writer_turn(key, offset, sorted(holders[part]), rank)
-            stored = _stored(view)
-            nbytes += stored.numel() * stored.element_size()
-            state.add(_core.ShardedTensor(key, stored, list(sh.global_shape), list(offset), replica_id, replicas))
+            nbytes += view.numel() * view.element_size()
+            state.add(entry(key, view, sh.global_shape, offset, replica_id, replicas))
         for obj in objects:
             buffer = io.BytesIO()
             torch.save(obj.data, buffer)
-            raw = bytearray(buffer.getvalue())
+            raw = buffer.getvalue()
             nbytes += len(raw)
-            state.add(_core.ShardedTensor(_object_dataset(obj.unique_key), torch.frombuffer(raw, dtype=torch.uint8),
-                                          [len(raw)], [0]))
+            state.add(bytes_entry(_object_dataset(obj.unique_key), raw))
         names = {_object_dataset(k): k for k in sorted(object_mains)}
         state.add_common(OBJECTS_KEY, json.dumps(names, sort_keys=True, separators=(",", ":")))
-        state.add_common(DTYPES_KEY, json.dumps(bytes_as, sort_keys=True, separators=(",", ":")))
+        # The keys some rank writes (a key whose every part is nobody's main replica has no dataset).
+        written = {key for (key, _, _), ranks in mains.items() if ranks}
+        write_dtypes(state, {k: v for k, v in bytes_as.items() if k in written})
+        state.add_common(DTYPES_KEY, json.dumps(bytes_as, sort_keys=True, separators=(",", ":")))  # older readers
         state.add_common(FORMAT_KEY, VERSION)
     except Exception as e:  # noqa: BLE001 - voted on, as above
         failure = e
@@ -361,27 +363,6 @@ class SaveStrategy(_SaveBase):
                                        async_fn_kwargs={})
 
 
-def _destination_key(t):
-    """What identifies the bytes a destination covers, to find two destinations over the same bytes."""
-    return (t.device.type, t.device.index, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
-
-
-def _refuse_partial_overlaps(destinations, path):
-    """Destinations over the same bytes as another's (two keys into one view) load as torch_dist
-    loads them, one after the other; contiguous destinations that share only some bytes would put
-    two different rows in the same bytes: refused, naming both keys."""
-    spans = []
-    for where, (key, t) in destinations.items():
-        if t.is_contiguous() and t.numel() > 0 and t.device.type == "cpu":
-            start = t.data_ptr()
-            spans.append((start, start + t.numel() * t.element_size(), key, where))
-    spans.sort(key=lambda s: (s[0], s[1]))
-    for (s1, e1, k1, w1), (s2, e2, k2, w2) in zip(spans, spans[1:]):
-        if s2 < e1 and w1 != w2:
-            raise CheckpointingException(f"{path}: the destinations of {k1} and {k2} share {min(e1, e2) - s2} bytes "
-                                         "at other rows: a load would put two different rows in the same bytes")
-
-
 class LoadStrategy(_LoadBase):
     """The "shardckpt" backend's load: each rank reads its own parts of ckpt_dir/FILE_NAME into the
     tensors Megatron hands it. `options`: shardckpt.load_into's (method, verify_checksums=True,
@@ -430,17 +411,20 @@ class LoadStrategy(_LoadBase):
             raise CheckpointingException(f"a {BACKEND!r} checkpoint of version {loaded_version}; this shardckpt "
                                          f"reads version {VERSION}")
 
-    def _contents(self, checkpoint_dir):
-        from . import inspect
-        path = _path(checkpoint_dir)
+    def _contents(self, checkpoint_dir, checkpoint=None):
+        """(checkpoint, objects, dtypes) of the shardckpt checkpoint in `checkpoint_dir`: the adapter's
+        open checkpoint (`checkpoint` when given: one opened before, by load_common), {dataset name:
+        ShardedObject unique key} and {key: dtype name} of the tensors stored as another dtype's bytes
+        (the adapter's record, else this backend's older one)."""
         config = maybe_load_config(os.fspath(checkpoint_dir))
         if config is not None and config.sharded_backend != BACKEND:
             self.check_backend_compatibility(config.sharded_backend)
-        try:
-            info = inspect(path)
-        except _core.Error as e:
-            raise CheckpointingException(str(e)) from e
-        common = info["common"]
+        if checkpoint is None:
+            try:
+                checkpoint = open_checkpoint(_path(checkpoint_dir))
+            except _core.Error as e:
+                raise CheckpointingException(str(e)) from e
+        path, common = checkpoint.path, checkpoint.common
         try:
             objects = json.loads(common.get(OBJECTS_KEY, "{}"))
             bytes_as = json.loads(common.get(DTYPES_KEY, "{}"))
@@ -453,11 +437,11 @@ class LoadStrategy(_LoadBase):
         except (ValueError, TypeError, RecursionError) as e:
             raise CheckpointingException(f"{path}: {OBJECTS_KEY!r} or {DTYPES_KEY!r} is not what the shardckpt "
                                          f"backend writes ({type(e).__name__}: {str(e)[:200]})") from None
-        datasets = {t["key"]: t for t in info["tensors"]}
-        return path, datasets, objects, bytes_as, info["checkpoint_id"]
+        recorded = recorded_dtypes(checkpoint, CheckpointingException)
+        return checkpoint, objects, {**bytes_as, **recorded}
 
-    def _dtype(self, key, info, bytes_as):
-        return getattr(torch, bytes_as.get(key) or TORCH_DTYPE_NAMES[info["dtype"]])
+    def _dtype(self, key, info, dtypes):
+        return torch_dtype(key, info, dtypes)
 
     def _unpickle(self, raw, what, path):
         try:
@@ -471,68 +455,61 @@ class LoadStrategy(_LoadBase):
         """Megatron's common state of a 0.19 checkpoint (the ShardedObject "common_state"), this rank
         alone; load_common_state_dict calls it for a shardckpt directory. The next load of this
         strategy class from the same directory reads the same checkpoint, or fails."""
-        from . import load_into
-        path, datasets, objects, _, checkpoint_id = self._contents(checkpoint_dir)
+        checkpoint, objects, _ = self._contents(checkpoint_dir)
+        datasets = checkpoint.datasets
         unique_key = ShardedObject(COMMON_STATE, None, (1,), (0,)).unique_key
         name = _object_dataset(unique_key)
         if name not in objects or name not in datasets:
-            raise CheckpointingException(f"{path}: no common state ({unique_key}): saved by megatron-core before "
-                                         "0.18, whose common state is in common.pt")
-        n = datasets[name]["global_shape"][0]
-        buffer = torch.empty(n, dtype=torch.uint8)
-        state = _core.StateDict()
-        state.add(_core.ShardedTensor(name, buffer, [n], [0]))
-        _collective(lambda: load_into(path, state, None, expect_id=checkpoint_id, **self._options))
-        _COMMON_READ[os.path.realpath(os.fspath(checkpoint_dir))] = checkpoint_id
-        return self._unpickle(buffer.numpy().tobytes(), "the common state", path)
+            raise CheckpointingException(f"{checkpoint.path}: no common state ({unique_key}): saved by megatron-core "
+                                         "before 0.18, whose common state is in common.pt")
+        load = Load()
+        read = load.bytes(name, datasets[name]["global_shape"][0])
+        _collective(lambda: load.run(checkpoint, None, **self._options))
+        _COMMON_READ[os.path.realpath(os.fspath(checkpoint_dir))] = checkpoint
+        return self._unpickle(read.value(), "the common state", checkpoint.path)
 
     def load(self, sharded_state_dict, checkpoint_dir, *args):
-        from . import load_into
         if self._theirs(checkpoint_dir):
             return super().load(sharded_state_dict, checkpoint_dir, *args)
         group = default_group(None)
-        state, copy_back, object_reads, failure = _core.StateDict(), [], [], None
+        load, object_reads, failure, checkpoint = Load(), [], None, None
         path = _path(checkpoint_dir)
         try:
-            path, datasets, objects, bytes_as, checkpoint_id = self._contents(checkpoint_dir)
             # The checkpoint Megatron's common state came from (0.19 reads it first), else this one.
-            checkpoint_id = _COMMON_READ.pop(os.path.realpath(os.fspath(checkpoint_dir)), checkpoint_id)
+            checkpoint = _COMMON_READ.pop(os.path.realpath(os.fspath(checkpoint_dir)), None)
+            checkpoint, objects, dtypes = self._contents(checkpoint_dir, checkpoint)
+            path, datasets = checkpoint.path, checkpoint.datasets
             by_unique_key = {k: name for name, k in objects.items()}
             tensors, sharded_objects = _sharded(sharded_state_dict)
-            destinations = {}
             for sh in tensors:
-                self._plan(sh, path, datasets, bytes_as, state, copy_back, destinations)
-            _refuse_partial_overlaps(destinations, path)
+                self._plan(sh, path, datasets, dtypes, load)
+            load.refuse_partial_overlaps(path, CheckpointingException)
             for obj in sharded_objects:
                 name = by_unique_key.get(obj.unique_key)
                 if name is None or name not in datasets:
                     raise CheckpointingException(f"Object shard {obj.unique_key} not found in {path}")
-                n = datasets[name]["global_shape"][0]
-                buffer = torch.empty(n, dtype=torch.uint8)
-                state.add(_core.ShardedTensor(name, buffer, [n], [0]))
-                object_reads.append((obj, buffer))
+                object_reads.append((obj, load.bytes(name, datasets[name]["global_shape"][0])))
         except Exception as e:  # noqa: BLE001 - any refusal is voted on, so no rank waits on another
             failure = e
         _exchange(group, None, failure)
         failure, loaded = None, {}
         try:
-            load_into(path, state, None, expect_id=checkpoint_id, **self._options)
-            for target, temp in copy_back:  # in the order Megatron lists them, as torch_dist fills them
-                target.copy_(temp)
-            for obj, buffer in object_reads:  # unpickled before the last exchange: a bad one fails every rank
-                loaded[id(obj)] = self._unpickle(buffer.numpy().tobytes(), f"ShardedObject {obj.unique_key}", path)
+            # Temporaries copied back in the order Megatron lists the tensors, as torch_dist fills them.
+            load.run(checkpoint, None, **self._options)
+            for obj, read in object_reads:  # unpickled before the last exchange: a bad one fails every rank
+                loaded[id(obj)] = self._unpickle(read.value(), f"ShardedObject {obj.unique_key}", path)
         except Exception as e:  # noqa: BLE001 - voted on, as above
             failure = e
         _exchange(group, None, failure)
         return dict_list_map_inplace(lambda v: loaded[id(v)] if isinstance(v, ShardedObject) else v.data,
                                      sharded_state_dict)
 
-    def _plan(self, sh, path, datasets, bytes_as, state, copy_back, destinations):
-        """Adds ShardedTensor `sh`'s part to the load: into its tensor, or into a temporary of the
-        stored dtype copied into it after the load (another dtype, not contiguous, or bytes another
-        key of this load fills too: Megatron lets two keys load into views of one tensor). With
-        allow_shape_mismatch (a padded vocabulary), the tensor is zeroed and the part of it the
-        checkpoint holds is read (as torch_dist does)."""
+    def _plan(self, sh, path, datasets, dtypes, load):
+        """Adds ShardedTensor `sh`'s part to `load` (the adapter's Load): into its tensor, or into a
+        temporary of the stored dtype copied into it after the load (another dtype, not contiguous, or
+        bytes another key of this load fills too: Megatron lets two keys load into views of one
+        tensor). With allow_shape_mismatch (a padded vocabulary), the tensor is zeroed and the part of
+        it the checkpoint holds is read (as torch_dist does)."""
         info = datasets.get(sh.key)
         if info is None:
             raise CheckpointingException(f"{path}: {sh.key} from the sharded state dict is not in the checkpoint")
@@ -548,30 +525,19 @@ class LoadStrategy(_LoadBase):
                 view = view.narrow(d, 0, max(0, min(view.shape[d], stored_size - offset)))
         if view.numel() == 0:
             return  # nothing to read: a part without elements
-        dtype = self._dtype(sh.key, info, bytes_as)
-        target = view.detach()
-        where = _destination_key(target)
-        if target.dtype == dtype and target.is_contiguous() and where not in destinations:
-            into = target
-        else:
-            into = torch.empty(tuple(target.shape), dtype=dtype)
-            copy_back.append((target, into))
-        destinations.setdefault(where, (sh.key, target))
-        if into.dtype == torch.bool:
-            into = into.view(torch.uint8)
-        state.add(_core.ShardedTensor(sh.key, into, list(stored), list(sh.global_offset)))
+        load.tensor(sh.key, view, self._dtype(sh.key, info, dtypes), stored, sh.global_offset)
 
     def load_tensors_metadata(self, checkpoint_dir, metadata=None):
         """Each tensor's global shape and dtype, as Megatron's torch_dist strategy gives them: a
         ShardedTensor without data and without sharding per key (ShardedObjects left out)."""
         if self._theirs(checkpoint_dir):
             return super().load_tensors_metadata(checkpoint_dir, metadata)
-        _, datasets, objects, bytes_as, _ = self._contents(checkpoint_dir)
+        checkpoint, objects, dtypes = self._contents(checkpoint_dir)
         out = {}
-        for key, info in datasets.items():
+        for key, info in checkpoint.datasets.items():
             if key in objects:
                 continue
-            meta = torch.empty(tuple(info["global_shape"]), dtype=self._dtype(key, info, bytes_as), device="meta")
+            meta = torch.empty(tuple(info["global_shape"]), dtype=self._dtype(key, info, dtypes), device="meta")
             out[key] = ShardedTensor.from_rank_offsets(key, meta).without_data()
         return out
 
@@ -579,7 +545,7 @@ class LoadStrategy(_LoadBase):
         """load_tensors_metadata's tensors and each ShardedObject, keyed by its unique key, without data."""
         if self._theirs(checkpoint_dir):
             return super().load_sharded_metadata(checkpoint_dir)
-        _, _, objects, _, _ = self._contents(checkpoint_dir)
+        _, objects, _ = self._contents(checkpoint_dir)
         out = {}
         for unique_key in objects.values():
             obj = ShardedObject.empty_from_unique_key(unique_key)
@@ -595,7 +561,8 @@ class LoadStrategy(_LoadBase):
                                      "dict without them instead)")
 
 
-# The checkpoint id each directory's common state was read from (0.19), for the load that follows.
+# The checkpoint (the adapter's open checkpoint) each directory's common state was read from (0.19),
+# for the load that follows: it loads from the same one.
 _COMMON_READ = {}
 
 

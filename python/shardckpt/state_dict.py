@@ -11,111 +11,25 @@ STRUCTURE_KEY, records the tree (dict, list or tuple, each key's type, each leaf
 load gives back what was saved. Anything else is a TypeError naming its key path, raised on every
 rank before anything is written: nothing is pickled.
 
-This module only maps a tree to the library's StateDict and back; every byte is saved and loaded by
-the library (shardckpt.save, shardckpt.load_into).
+This module only maps a tree to the library's StateDict and back: the entries, the dtypes (bool
+tensors recorded in the common value "shardckpt.dtypes" too), the copies into targets and the votes
+are the adapter's (_adapter.py), and every byte is saved and loaded by the library.
 """
 import json
-import os
-import sys
 
 from . import _core
+from ._adapter import (_AS_BYTES, TORCH_DTYPE_NAMES, Load, Tensors, as_bytes, default_group, exchange,
+                       open_checkpoint, recorded_dtypes, require_plain_bytes, stored_dtype, torch_dtype, vote,
+                       write_dtypes)
+
+__all__ = ["STRUCTURE_KEY", "TORCH_DTYPE_NAMES", "default_group", "exchange", "load_state_dict",
+           "require_plain_bytes", "save_state_dict", "stored_dtype"]
 
 # The common value that holds the tree of a state dict saved by save_state_dict (a JSON text).
 STRUCTURE_KEY = "shardckpt.state_dict"
 _FORMAT = 1
 
-# torch dtypes the library stores (by torch's name), and those stored as the bytes of another one.
-_STORED = {"bfloat16", "float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16",
-           "uint32", "uint64"}
-_AS_BYTES = {"bool": "uint8"}
-# torch's name of each dtype the library reports (inspect's "dtype").
-TORCH_DTYPE_NAMES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64", "i8": "int8",
-                     "i16": "int16", "i32": "int32", "i64": "int64", "u8": "uint8", "u16": "uint16", "u32": "uint32",
-                     "u64": "uint64"}
-
-
-def _torch():
-    import torch
-    return torch
-
-
-def _loaded_type(module, name):
-    """Class `name` of torch module `module` when that module is loaded, else None: whoever holds a
-    DTensor or a torch ShardedTensor has loaded its module, and importing it here could fail (torch
-    1.13's sharded_tensor does not import on Python 3.11) or cost seconds for nothing."""
-    return getattr(sys.modules.get(module), name, None)
-
-
-def _dtype_name(dtype):
-    return str(dtype).removeprefix("torch.")
-
-
-def stored_dtype(dtype, key, error=TypeError, hint=""):
-    """torch's name of `dtype` when the library stores it (itself or as the bytes of another);
-    otherwise `error` naming `key` and the dtypes it stores (and `hint`)."""
-    name = _dtype_name(dtype)
-    if name not in _STORED and name not in _AS_BYTES:
-        raise error(f"{key}: a {name} tensor: shardckpt stores bfloat16, float16, float32, float64, bool and "
-                    f"integer tensors of 8 to 64 bits{hint}")
-    return name
-
-
-def require_plain_bytes(value, key):
-    """A TypeError naming `key` unless torch tensor `value` has plain bytes here to save or load into:
-    dense (strided), not on the meta device."""
-    torch = _torch()
-    layout = getattr(value, "layout", torch.strided)
-    if layout != torch.strided:
-        raise TypeError(f"{key}: a tensor of layout {layout}: shardckpt saves dense (strided) tensors; "
-                        "convert it first (t.to_dense())")
-    if getattr(getattr(value, "device", None), "type", None) == "meta":
-        raise TypeError(f"{key}: a tensor on the meta device has no bytes to save or to load into")
-
-
-def default_group(group):
-    """The group a state dict call runs over: `group` as given (a TorchGroup or a torch.distributed
-    ProcessGroup); else torch.distributed's default group when it is initialized; else None (this
-    process alone)."""
-    from . import _group
-    if group is not None:
-        return _group(group)
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        from ._torch import TorchGroup
-        return TorchGroup()
-    return None
-
-
-def exchange(group, payload, failure, otherwise=RuntimeError):
-    """Every rank's `payload` (JSON values), in rank order; or, when any rank's `failure` (None, or an
-    exception raised before any byte moved) is one, that failure raised on every rank: the first
-    failing rank's exception (its type where it is TypeError, ValueError or KeyError, else
-    `otherwise`; its text naming the rank), so that no rank goes on into a collective the others
-    never reach."""
-    if group is None:
-        if failure is not None:
-            raise failure
-        return [payload]
-    told = None
-    if failure is not None:
-        told = [type(failure).__name__,
-                failure.args[0] if isinstance(failure, KeyError) and failure.args else str(failure)]
-    mine = json.dumps({"failure": told, "payload": payload}, separators=(",", ":")).encode()
-    everyone = [json.loads(b) for b in group.all_gather_bytes(mine)]
-    failed = [(r, e["failure"]) for r, e in enumerate(everyone) if e["failure"] is not None]
-    if failed:
-        if failure is not None and failed[0][0] == group.rank():
-            raise failure
-        rank, (name, message) = failed[0]
-        kind = {"TypeError": TypeError, "ValueError": ValueError, "KeyError": KeyError}.get(name, otherwise)
-        others = f" ({len(failed) - 1} other rank{'s' if len(failed) > 2 else ''} failed too)" if len(failed) > 1 else ""
-        raise kind(f"rank {rank}: {message}{others}")
-    return [e["payload"] for e in everyone]
-
-
-def agree(group, failure):
-    """exchange without a payload: every rank's `failure` raised on every rank."""
-    exchange(group, None, failure)
+agree = vote  # the name this module gave it first
 
 
 def _join(path):
@@ -124,78 +38,6 @@ def _join(path):
 
 def _where(path):
     return "state_dict" + "".join(f"[{p!r}]" for p in path)
-
-
-class _Tensors:
-    """A tree's tensors, each as the library's entries: (key, tensor, entries kind)."""
-
-    def __init__(self, group):
-        self.rank = 0 if group is None else group.rank()
-        self.size = 1 if group is None else group.size()
-        self.dtensor = _loaded_type("torch.distributed.tensor", "DTensor")
-        self.sharded = _loaded_type("torch.distributed._shard.sharded_tensor", "ShardedTensor")
-
-    def kind(self, value):
-        torch = _torch()
-        if self.dtensor is not None and isinstance(value, self.dtensor):
-            return "dtensor"
-        if self.sharded is not None and isinstance(value, self.sharded):
-            return "sharded"
-        if isinstance(value, torch.Tensor):
-            return "tensor"
-        return None
-
-    def global_shape(self, value):
-        return list(value.shape if self.kind(value) != "sharded" else value.size())
-
-    def dtype(self, value, key):
-        """The stored dtype's name; a TypeError naming `key` for a tensor without plain bytes here (sparse,
-        or on the meta device)."""
-        name = stored_dtype(value.dtype, key)
-        require_plain_bytes(value, key)
-        return name
-
-    def boxes(self, value, key):
-        """This rank's parts of tensor `value` that hold elements (an uneven split leaves some ranks an
-        empty one): (local tensor, global offset, replica_id, replicas)."""
-        scalar = self.global_shape(value) == []
-        return [b for b in self._parts(value, key) if scalar or b[0].numel() > 0]
-
-    def _parts(self, value, key):
-        kind = self.kind(value)
-        if kind == "tensor":
-            return [(value, [0] * value.dim(), self.rank, self.size)]
-        if kind == "sharded":
-            # Each local shard is a part of the tensor at its offset (a rank may hold several).
-            return [(s.tensor, list(s.metadata.shard_offsets), 0, 1) for s in value.local_shards()]
-        # A DTensor: its one local part at its global offset; the mesh dimensions it is replicated
-        # over hold copies of it, written once between them.
-        from torch.distributed.tensor import Replicate, Shard
-        mesh, placements = value.device_mesh, value.placements
-        coordinate = mesh.get_coordinate()
-        if coordinate is None:  # this rank is not in the tensor's mesh
-            return []
-        replica_id, replicas = 0, 1
-        for dim, p in enumerate(placements):
-            if isinstance(p, Replicate):
-                replica_id, replicas = replica_id * mesh.size(dim) + coordinate[dim], replicas * mesh.size(dim)
-            elif not isinstance(p, Shard):
-                raise ValueError(f"{key}: a DTensor placed {p} on mesh dim {dim}: shardckpt saves Shard and "
-                                 "Replicate placements; redistribute it first (t.redistribute(placements=...))")
-        chunks = value.__create_chunk_list__()
-        local = value.to_local()
-        return [(local, list(c.offsets), replica_id, replicas) for c in chunks]
-
-
-def _stored(tensor):
-    """A tensor's bytes as the library takes them: detached, contiguous, bool as uint8."""
-    torch = _torch()
-    t = tensor.detach()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    if t.dtype == torch.bool:
-        t = t.view(torch.uint8)
-    return t
 
 
 def _flatten(state_dict, tensors):
@@ -230,7 +72,7 @@ def _flatten(state_dict, tensors):
             key = claim(path)
             node = {"tensor": key}
             name = tensors.dtype(value, key)
-            if name in _AS_BYTES:
+            if as_bytes(name):
                 node["dtype"] = name
             found.append((key, value))
             return node
@@ -271,20 +113,20 @@ def save_state_dict(state_dict, path, group=None, **options):
     shardckpt.save (method, checksums)."""
     from . import save
     group = default_group(group)
-    tensors = _Tensors(group)
+    tensors = Tensors(group)
     state, failure = _core.StateDict(), None
     try:
         structure, found, values = _flatten(state_dict, tensors)
         for key, value in found:
-            shape = tensors.global_shape(value)
-            for local, offset, replica_id, replicas in tensors.boxes(value, key):
-                state.add(_core.ShardedTensor(key, _stored(local), shape, offset, replica_id, replicas))
+            for e in tensors.entries(key, value):
+                state.add(e)
         for key, value in values.items():
             state.add_common(key, value)
         state.add_common(STRUCTURE_KEY, json.dumps({"format": _FORMAT, "tree": structure}, separators=(",", ":")))
+        write_dtypes(state, {key: as_bytes(value.dtype) for key, value in found if as_bytes(value.dtype)})
     except Exception as e:  # noqa: BLE001 - any refusal (a DLPack error too) is voted on: no rank waits
         failure = e
-    agree(group, failure)
+    vote(group, failure)
     save(state, path, group, **options)
 
 
@@ -331,8 +173,8 @@ def _check_tree(node, common, datasets, depth=0):
             raise ValueError(f"a {kind} leaf whose common value {key!r} is a {type(value).__name__}")
 
 
-def _structure(info, path):
-    text = info["common"].get(STRUCTURE_KEY)
+def _structure(checkpoint):
+    text = checkpoint.common.get(STRUCTURE_KEY)
     if text is None:
         return None
     try:
@@ -344,53 +186,45 @@ def _structure(info, path):
         tree = doc["tree"]
         if not isinstance(tree, dict) or "dict" not in tree:
             raise ValueError("its tree is not a dict")
-        _check_tree(tree, info["common"], {t["key"] for t in info["tensors"]})
+        _check_tree(tree, checkpoint.common, checkpoint.datasets)
         return tree
     except (ValueError, KeyError, AttributeError, TypeError, RecursionError) as e:
-        raise _core.Error(f"{os.fspath(path)}: the common value {STRUCTURE_KEY!r} is not a state dict's structure "
+        raise _core.Error(f"{checkpoint.path}: the common value {STRUCTURE_KEY!r} is not a state dict's structure "
                           f"written by this shardckpt ({type(e).__name__}: {str(e)[:200]})") from None
 
 
 class _Loads:
-    """The entries of one collective load: tensors filled in place, and those filled through a
-    temporary (non-contiguous, bool) copied back after the load."""
+    """The tensors of one collective load from `checkpoint`, each checked against its dataset and
+    added to the adapter's Load (filled in place, or through a temporary copied back)."""
 
-    def __init__(self, tensors, datasets, path):
-        self.tensors, self.datasets, self.path = tensors, datasets, os.fspath(path)
-        self.state = _core.StateDict()
-        self.copy_back = []
+    def __init__(self, tensors, checkpoint):
+        self.tensors, self.checkpoint = tensors, checkpoint
+        self.recorded = recorded_dtypes(checkpoint)
+        self.load = Load()
 
-    def fill(self, key, target):
-        torch = _torch()
-        info = self.datasets.get(key)
+    def fill(self, key, target, recorded=None):
+        """Tensor `target` of the state dict filled from dataset `key` (`recorded`: the dtype the tree
+        records for it, if any)."""
+        info = self.checkpoint.datasets.get(key)
         if info is None:
-            raise KeyError(f"{self.path}: tensor {key} of the state dict is not in the checkpoint (no dataset of "
-                           "that name)")
+            raise KeyError(f"{self.checkpoint.path}: tensor {key} of the state dict is not in the checkpoint (no "
+                           "dataset of that name)")
         shape = self.tensors.global_shape(target)
         if tuple(shape) != tuple(info["global_shape"]):
-            raise ValueError(f"{self.path}: tensor {key} of the state dict has global shape {tuple(shape)}, the "
-                             f"checkpoint's {tuple(info['global_shape'])}")
+            raise ValueError(f"{self.checkpoint.path}: tensor {key} of the state dict has global shape "
+                             f"{tuple(shape)}, the checkpoint's {tuple(info['global_shape'])}")
         self.tensors.dtype(target, key)
-        for local, offset, _, _ in self.tensors.boxes(target, key):
-            into = local.detach()
-            if not into.is_contiguous():  # filled through a contiguous copy, copied back by finish()
-                into = torch.empty(local.shape, dtype=local.dtype, device=local.device)
-                self.copy_back.append((local, into))
-            self.state.add(_core.ShardedTensor(key, into.view(torch.uint8) if into.dtype == torch.bool else into,
-                                               shape, offset))
+        self.load.parts(self.tensors, key, target, self.dtype(key, recorded), shape)
+
+    def dtype(self, key, recorded=None):
+        return torch_dtype(key, self.checkpoint.datasets[key], self.recorded, recorded)
 
     def new(self, key, node):
         """A tensor the checkpoint holds and the state dict does not: a new CPU tensor at its global shape."""
-        torch = _torch()
-        info = self.datasets[key]
-        dtype = node.get("dtype") or TORCH_DTYPE_NAMES[info["dtype"]]
-        t = torch.empty(tuple(info["global_shape"]), dtype=getattr(torch, dtype))
-        self.fill(key, t)
+        import torch
+        t = torch.empty(tuple(self.checkpoint.datasets[key]["global_shape"]), dtype=self.dtype(key, node.get("dtype")))
+        self.fill(key, t, node.get("dtype"))
         return t
-
-    def finish(self):
-        for local, temp in self.copy_back:
-            local.detach().copy_(temp)
 
 
 def _restore(node, given, path, loads, common):
@@ -410,7 +244,7 @@ def _restore(node, given, path, loads, common):
     if "tensor" in node:
         key = node["tensor"]
         if loads.tensors.kind(given) is not None:
-            loads.fill(key, given)
+            loads.fill(key, given, node.get("dtype"))
             return given
         return loads.new(key, node)
     if "none" in node:
@@ -464,29 +298,26 @@ def load_state_dict(state_dict, path, group=None, **options):
     dict as saved: the non-tensor leaves with their types (a tuple a tuple, a bool a bool), tensors
     the checkpoint has and `state_dict` lacks as new CPU tensors. Collective over `group` as
     save_state_dict. Options as shardckpt.load_into (method, verify_checksums, bypass_page_cache)."""
-    from . import inspect, load_into
     group = default_group(group)
-    tensors = _Tensors(group)
+    tensors = Tensors(group)
     loads, result, failure = None, None, None
     try:
-        info = inspect(path)
-        datasets = {t["key"]: t for t in info["tensors"]}
-        common = info["common"]
-        loads = _Loads(tensors, datasets, path)
-        structure = _structure(info, path)
+        checkpoint = open_checkpoint(path, group)
+        common = checkpoint.common
+        loads = _Loads(tensors, checkpoint)
+        structure = _structure(checkpoint)
         if structure is None:
             result = _fill_by_keys(state_dict, (), loads, common)
         else:
             missing = _given_only(structure, state_dict, (), tensors)
             if missing:
-                raise KeyError(f"{os.fspath(path)}: tensor {missing[0]} of the state dict is not in the checkpoint"
+                raise KeyError(f"{checkpoint.path}: tensor {missing[0]} of the state dict is not in the checkpoint"
                                + (f" (nor are {len(missing) - 1} more)" if len(missing) > 1 else ""))
             result = _restore(structure, state_dict, (), loads, common)
     except Exception as e:  # noqa: BLE001 - any refusal is voted on: no rank waits on another's
         failure = e
-    agree(group, failure)
+    vote(group, failure)
     # The tensors from the file whose tree and common values were read above: a checkpoint another
     # save put at `path` since is refused (code "replaced"), never mixed in.
-    load_into(path, loads.state, group, expect_id=info["checkpoint_id"], **options)
-    loads.finish()
+    loads.load.run(checkpoint, group, **options)
     return result
