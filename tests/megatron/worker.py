@@ -227,6 +227,16 @@ def case_model(d):
         if json.load(f)["sharded_backend"] != "shardckpt":
             raise AssertionError("metadata.json does not name the backend")
     check_h5(ours, save_lay)
+    # The bool buffer is stored as uint8 bytes and recorded as every front end records it (and in the
+    # backend's own older record), so that the state_dict and DCP front ends read it as bool too.
+    common = sc.inspect(os.path.join(ours, scm.FILE_NAME))["common"]
+    for name in ("shardckpt.dtypes", scm.DTYPES_KEY):
+        if json.loads(common[name]) != {"decoder.mask": "bool"}:
+            raise AssertionError(f"{name}: {common[name]}")
+    from shardckpt.dcp import Reader
+    meta = Reader(os.path.join(ours, scm.FILE_NAME)).read_metadata().state_dict_metadata
+    if meta["decoder.mask"].properties.dtype != torch.bool:
+        raise AssertionError(f"the DCP Reader reads the bool buffer as {meta['decoder.mask'].properties.dtype}")
     for lay, flat in ((Layout(4), None), (Layout(1), None), (Layout(2, pp=2), None), (Layout(2), uneven)):
         same = lay.tp == save_lay.tp and lay.pp == save_lay.pp
         for path in (ours, theirs):

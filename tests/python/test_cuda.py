@@ -1,7 +1,7 @@
 """torch CUDA tensors through DLPack, on a GPU (scripts/gpu-check.sh runs this; without a CUDA device
 for torch every test is skipped): a bounded async save streams the weights from CUDA memory while a
-forward pass reads them, the optimizer step after wait_staged() is not saved, and a load fills CUDA
-tensors in place."""
+forward pass reads them, the optimizer step after wait_staged() is not saved, a load fills CUDA
+tensors in place, and a state dict's load hands the library CUDA memory only (no host staging)."""
 import os
 import shutil
 import tempfile
@@ -43,6 +43,40 @@ class CudaTensors(unittest.TestCase):
         request.add(sc.ShardedParam(spec, 1, 0, 0, 0, shard=back))
         sc.load_into(self.path, request)
         self.assertTrue(torch.equal(back.cpu(), before))
+
+    def test_a_state_dict_load_fills_cuda_targets_on_their_device(self):
+        """The adapter's copy-back policy on a GPU: a contiguous CUDA target of the stored dtype (bool: its
+        uint8 view) goes to the library itself, through its device path; any other through a temporary
+        on the target's device. No tensor of the load is staged in host memory."""
+        from unittest import mock
+        from shardckpt import _adapter
+        real, given = _adapter._core, []
+
+        class Recording:
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+            @staticmethod
+            def ShardedTensor(key, tensor, *rest):
+                given.append(tensor)
+                return real.ShardedTensor(key, tensor, *rest)
+
+        saved = {"w": torch.arange(12.0).reshape(3, 4), "t": torch.arange(12.0).reshape(4, 3) + 50,
+                 "wide": torch.arange(5.0) - 2, "mask": torch.tensor([False, True, True]), "step": torch.tensor(9)}
+        sc.save_state_dict(saved, self.path)
+        target = {"w": torch.zeros(3, 4, device="cuda"), "t": torch.zeros(3, 4, device="cuda").t(),
+                  "wide": torch.zeros(5, dtype=torch.float64, device="cuda"),
+                  "mask": torch.zeros(3, dtype=torch.bool, device="cuda"), "step": torch.tensor(0, device="cuda")}
+        with mock.patch.object(_adapter, "_core", Recording()):
+            sc.load_state_dict(target, self.path)
+        self.assertEqual([t.device.type for t in given], ["cuda"] * len(saved))
+        ptrs = {t.data_ptr() for t in given}
+        for k in ("w", "mask", "step"):
+            self.assertIn(target[k].data_ptr(), ptrs, k)
+        for k in ("t", "wide"):
+            self.assertNotIn(target[k].data_ptr(), ptrs, k)
+        for k, v in saved.items():
+            self.assertTrue(torch.equal(target[k].cpu(), v.to(target[k].dtype)), k)
 
 
 if __name__ == "__main__":

@@ -131,6 +131,72 @@ class StateDictOneProcess(unittest.TestCase):
         self.assertEqual(loaded["step"], 11)
 
 
+    def test_bool_0d_and_int64_tensors_and_the_dtypes_record(self):
+        """bool tensors are stored as uint8 bytes and recorded in the common value shardckpt.dtypes (only
+        them); a load reads a dataset's dtype from that record, from the older tree record ("dtype" in
+        a tensor node) when the file has no shardckpt.dtypes, else the dataset's own."""
+        import json
+        state = {"mask": torch.tensor([True, False, True]), "flag": torch.tensor(True), "n": torch.tensor(7),
+                 "ids": torch.arange(5, dtype=torch.int64) - 2}
+        sc.save_state_dict(state, self.path)
+        common = sc.inspect(self.path)["common"]
+        self.assertEqual(json.loads(common["shardckpt.dtypes"]), {"flag": "bool", "mask": "bool"})
+        with h5py.File(self.path, "r") as f:
+            self.assertEqual((f["mask"].dtype.name, f["flag"].shape, f["n"].shape), ("uint8", (), ()))
+        loaded = sc.load_state_dict({}, self.path)  # every tensor new, at its recorded dtype
+        for k, v in state.items():
+            self.assertEqual((loaded[k].dtype, loaded[k].shape), (v.dtype, v.shape), k)
+            self.assertTrue(torch.equal(loaded[k], v), k)
+        # A native checkpoint whose only record is shardckpt.dtypes, and one whose only record is the tree's.
+        for records in ({"shardckpt.dtypes": '{"m": "bool"}'},
+                        {sc.state_dict.STRUCTURE_KEY: '{"format": 1, "tree": {"dict": [["m", {"tensor": "m", '
+                                                      '"dtype": "bool"}]]}}'},
+                        {sc.state_dict.STRUCTURE_KEY: '{"format": 1, "tree": {"dict": [["m", {"tensor": "m"}]]}}',
+                         "shardckpt.dtypes": '{"m": "bool"}'}):
+            with self.subTest(records=sorted(records)):
+                native = sc.StateDict()
+                native.add(sc.ShardedTensor("m", torch.tensor([0, 1, 1], dtype=torch.uint8), [3], [0]))
+                for k, v in records.items():
+                    native.add_common(k, v)
+                sc.save(native, self.path)
+                if sc.state_dict.STRUCTURE_KEY in records:
+                    got = sc.load_state_dict({}, self.path)["m"]
+                    self.assertEqual(got.dtype, torch.bool)
+                    self.assertTrue(torch.equal(got, torch.tensor([False, True, True])))
+                target = torch.zeros(3, dtype=torch.bool)
+                sc.load_state_dict({"m": target}, self.path)
+                self.assertTrue(torch.equal(target, torch.tensor([False, True, True])))
+
+    def test_a_hostile_dtypes_record_is_a_typed_error_naming_the_file(self):
+        for value in ("7", '{"m": "float32"}', '{"m": ["bool"]}', '{"w": "bool"}', "[" * 100000 + "]" * 100000):
+            with self.subTest(value=value[:20]):
+                state = sc.StateDict()
+                state.add(sc.ShardedTensor("w", torch.ones(2), [2], [0]))  # f32: not the bytes of a bool
+                state.add_common("shardckpt.dtypes", value)
+                sc.save(state, self.path)
+                with self.assertRaises(sc.Error) as c:
+                    sc.load_state_dict({"w": torch.zeros(2)}, self.path)
+                self.assertIn(self.path, str(c.exception))
+                self.assertIn("shardckpt.dtypes", str(c.exception))
+
+    def test_targets_of_another_dtype_non_contiguous_or_sharing_bytes_load_through_temporaries(self):
+        w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+        sc.save_state_dict({"w": w, "v": w + 100, "b": torch.tensor([True, False])}, self.path)
+        # Another dtype (f64 for f32, int for bool), not contiguous, and a second key into bytes the
+        # first fills (tied weights): each through a temporary, copied back in order.
+        wide, tied = torch.zeros(4, 3, dtype=torch.float64).t(), torch.zeros(3, 4)
+        flags = torch.zeros(2, dtype=torch.int32)
+        loaded = sc.load_state_dict({"w": wide, "v": tied, "b": flags}, self.path)
+        self.assertIs(loaded["w"], wide)
+        self.assertTrue(torch.equal(wide, w.double()))
+        self.assertTrue(torch.equal(flags, torch.tensor([1, 0], dtype=torch.int32)))
+        sc.load_state_dict({"w": tied, "v": tied}, self.path)
+        self.assertTrue(torch.equal(tied, w + 100))  # the later key's bytes
+        both = torch.zeros(5, 4)  # destinations that share some bytes: refused by name
+        with self.assertRaises(sc.Error) as c:
+            sc.load_state_dict({"w": both[:3], "v": both[2:]}, self.path)
+        self.assertIn("share", str(c.exception))
+
     def test_tensors_without_plain_bytes_are_refused_by_key(self):
         sparse = torch.zeros(4, 4).to_sparse()
         self.assert_refused({"model": {"s": sparse}}, TypeError, "model.s", "layout")

@@ -20,6 +20,28 @@ CASES = ["dtensor_save_state_dict", "dtensor_dcp", "dcp_async", "adam_plain", "a
          "native_through_reader", "torch_sharded_tensor", "bad_input"]
 
 
+def record_library_tensors(case):
+    """The tensors the adapter hands the library as load and save entries, for the rest of `case`'s
+    test (the adapter's _core wrapped, so that where each tensor lies can be checked)."""
+    from unittest import mock
+    from shardckpt import _adapter
+    real, given = _adapter._core, []
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def ShardedTensor(key, tensor, *rest):
+            given.append(tensor)
+            return real.ShardedTensor(key, tensor, *rest)
+
+    patch = mock.patch.object(_adapter, "_core", Recording())
+    patch.start()
+    case.addCleanup(patch.stop)
+    return given
+
+
 class Torch2Job(GlooJobCase, unittest.TestCase):
     WORLD, WORKER, CASES = WORLD, WORKER, CASES
 
@@ -126,6 +148,67 @@ class OneProcess(unittest.TestCase):
                 r.prepare_global_plan([plans[0], other.prepare_local_plan(LoadPlan([]))])
             self.assertIn("different checkpoints", str(c.exception))
 
+    def test_bool_0d_and_int64_tensors_cross_front_ends(self):
+        """A bool tensor (and a 0-d one, int64 ones) saved by save_state_dict comes back as bool through
+        the DCP Reader, and one saved through the DCP Writer as bool through load_state_dict: both
+        record it in the common value shardckpt.dtypes."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import state_dict_loader
+        from shardckpt.dcp import Reader, Writer
+        state = {"mask": torch.tensor([True, False, True]), "flag": torch.tensor(True), "step": torch.tensor(3),
+                 "ids": torch.arange(4, dtype=torch.int64) - 1, "w": torch.ones(2, 3, dtype=torch.bfloat16)}
+        with tempfile.TemporaryDirectory() as d:
+            by_tree, by_dcp = os.path.join(d, "tree.h5"), os.path.join(d, "dcp.h5")
+            sc.save_state_dict(state, by_tree)
+            dcp.save(state, storage_writer=Writer(by_dcp))
+            for path in (by_tree, by_dcp):
+                with self.subTest(saved=os.path.basename(path)):
+                    common = sc.inspect(path)["common"]
+                    self.assertEqual(json.loads(common["shardckpt.dtypes"]), {"flag": "bool", "mask": "bool"})
+                    meta = Reader(path).read_metadata().state_dict_metadata
+                    self.assertEqual({k: meta[k].properties.dtype for k in state},
+                                     {k: v.dtype for k, v in state.items()})
+                    loads = {"dcp.load": lambda t: dcp.load(t, storage_reader=Reader(path)),
+                             "load_state_dict": lambda t: sc.load_state_dict(t, path)}
+                    for how, load in loads.items():
+                        target = {k: torch.zeros_like(v) for k, v in state.items()}
+                        load(target)
+                        for k, v in state.items():
+                            self.assertEqual(target[k].dtype, v.dtype, f"{how} {k}")
+                            self.assertTrue(torch.equal(target[k], v), f"{how} {k}")
+                    # Tensors DCP allocates itself from the Reader's metadata: a bool one is bool.
+                    got = state_dict_loader._load_state_dict_from_keys(set(state), storage_reader=Reader(path))
+                    for k, v in state.items():
+                        self.assertEqual(got[k].dtype, v.dtype, k)
+                        self.assertTrue(torch.equal(got[k], v), k)
+            # The state dict's tree, read back without targets: the bool tensors are bool.
+            loaded = sc.load_state_dict({}, by_tree)
+            self.assertEqual({k: v.dtype for k, v in loaded.items()}, {k: v.dtype for k, v in state.items()})
+
+    def test_reader_fills_contiguous_targets_in_place_and_others_through_temporaries(self):
+        import torch.distributed.checkpoint as dcp
+        from shardckpt.dcp import Reader, Writer
+        saved = {"w": torch.arange(12.0).reshape(3, 4), "t": torch.arange(12.0).reshape(4, 3) + 50,
+                 "wide": torch.arange(5.0) - 2, "mask": torch.tensor([False, True, True]), "step": torch.tensor(9)}
+        target = {"w": torch.zeros(3, 4), "t": torch.zeros(3, 4).t(), "wide": torch.zeros(5, dtype=torch.float64),
+                  "mask": torch.zeros(3, dtype=torch.bool), "step": torch.tensor(0)}
+        given = record_library_tensors(self)
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "p.h5")
+            dcp.save(saved, storage_writer=Writer(path))
+            given.clear()
+            dcp.load(target, storage_reader=Reader(path))
+        for k, v in saved.items():
+            self.assertTrue(torch.equal(target[k], v.to(target[k].dtype)), k)
+        self.assertEqual(target["wide"].dtype, torch.float64)
+        ptrs = {t.data_ptr() for t in given}
+        for k in ("w", "mask", "step"):  # contiguous in the stored dtype (bool: its uint8 view): in place
+            self.assertIn(target[k].data_ptr(), ptrs, k)
+        for k in ("t", "wide"):  # through a temporary of the stored dtype
+            self.assertNotIn(target[k].data_ptr(), ptrs, k)
+        self.assertEqual(sorted(str(t.dtype) for t in given if t.data_ptr() not in
+                                {target[k].data_ptr() for k in target}), ["torch.float32", "torch.float32"])
+
     def test_reader_reads_an_adopted_safetensors_file(self):
         import subprocess
         import torch.distributed.checkpoint as dcp
@@ -146,6 +229,32 @@ class OneProcess(unittest.TestCase):
             dcp.load(target, storage_reader=Reader(out))
             for k, v in weights.items():
                 self.assertTrue(torch.equal(target[k], v), k)
+
+
+@unittest.skipUnless(torch.cuda.is_available(), "torch has no CUDA device here")
+class CudaOneProcess(unittest.TestCase):
+    def test_reader_fills_cuda_targets_on_their_device(self):
+        """The Reader hands the library CUDA memory only: a contiguous target of the stored dtype itself
+        (the library's device path), any other through a temporary on the target's device."""
+        import torch.distributed.checkpoint as dcp
+        from shardckpt.dcp import Reader, Writer
+        saved = {"w": torch.arange(12.0).reshape(3, 4), "t": torch.arange(12.0).reshape(4, 3) + 50,
+                 "wide": torch.arange(5.0) - 2, "mask": torch.tensor([False, True, True]), "step": torch.tensor(9)}
+        target = {"w": torch.zeros(3, 4, device="cuda"), "t": torch.zeros(3, 4, device="cuda").t(),
+                  "wide": torch.zeros(5, dtype=torch.float64, device="cuda"),
+                  "mask": torch.zeros(3, dtype=torch.bool, device="cuda"), "step": torch.tensor(0, device="cuda")}
+        given = record_library_tensors(self)
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "c.h5")
+            dcp.save(saved, storage_writer=Writer(path))
+            given.clear()
+            dcp.load(target, storage_reader=Reader(path))
+        self.assertEqual([t.device.type for t in given], ["cuda"] * len(saved))
+        ptrs = {t.data_ptr() for t in given}
+        for k in ("w", "mask", "step"):
+            self.assertIn(target[k].data_ptr(), ptrs, k)
+        for k, v in saved.items():
+            self.assertTrue(torch.equal(target[k].cpu(), v.to(target[k].dtype)), k)
 
 
 if __name__ == "__main__":
