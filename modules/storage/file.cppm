@@ -239,9 +239,12 @@ class TemporaryFile {
   SharedIdentity identity() const { return shared_identity(identity_); }
 
   // Gives the file the mode and group of the file it replaces (or new_file_mode() for a new one),
-  // checks that its name still names this file and that the destination is still a regular file or
-  // absent, renames it over the destination and syncs the directory. Throws Errc::io or
-  // invalid_argument, leaving the destination as it was.
+  // without syncing: a caller that syncs the file afterwards (a seal) spares commit() its own sync.
+  void take_destination_mode();
+  // Gives the file the destination's mode and group (unless take_destination_mode() did, and the file
+  // was synced since: then it is not synced again), checks that its name still names this file and
+  // that the destination is still a regular file or absent, renames it over the destination and
+  // syncs the directory. Throws Errc::io or invalid_argument, leaving the destination as it was.
   void commit();
   // Removes the file, if its name still names it, and closes it; never throws.
   void discard() noexcept;
@@ -254,6 +257,7 @@ class TemporaryFile {
   std::string name_;
   FileIdentity identity_;
   bool pending_ = true;
+  bool mode_taken_ = false;  // take_destination_mode() ran (the caller syncs the file after it)
 };
 
 // Mappings of files, and reads of their bytes that a file cut short cannot turn into a signal.

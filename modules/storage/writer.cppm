@@ -36,8 +36,11 @@ struct Skeleton {
 // allocated at its full shape, unwritten, a checksum table of `checksum_rows` entries (none unless
 // contents.checksummed), and the metadata, but does not mark it complete. Every write error (a full
 // disk, a file-size limit, EIO) is an Error{Errc::io}; nothing of HDF5 stays open afterwards.
+// `shared`: other processes open the file next (a save's other ranks), so it is flushed to stable
+// storage first, as a network file system needs for them to see it; a file only this process
+// writes is synced once, by its seal.
 Skeleton create_skeleton(io::File& file, std::span<const Dataset> datasets, const CheckpointContents& contents,
-                         std::int64_t checksum_rows);
+                         std::int64_t checksum_rows, bool shared = true);
 
 // Where a writer's checksums go: the table's address in the file and the index of the writer's first checksummed row.
 struct ChecksumSlot {
@@ -48,9 +51,11 @@ struct ChecksumSlot {
 class PieceWriter;
 class CheckpointWriter;
 
-// Proof that a writer's pieces and their checksums reached stable storage. Only PieceWriter::finish
-// and CheckpointWriter::write_checksums make one, and only the checkpoint of the same file takes it
-// (CheckpointWriter::written): a checkpoint cannot be sealed before its own pieces are written.
+// Proof that a writer's pieces and their checksums reached the file: on stable storage, or (the
+// writer a CheckpointWriter made for its own file) in the file that its seal flushes to stable
+// storage before the commit. Only PieceWriter::finish and CheckpointWriter::write_checksums make
+// one, and only the checkpoint of the same file takes it (CheckpointWriter::written): a checkpoint
+// cannot be sealed before its own pieces are written.
 class [[nodiscard]] PiecesWritten {
  public:
   PiecesWritten(PiecesWritten&&) noexcept = default;
@@ -81,10 +86,12 @@ class PieceWriter {
   // The same for the slab at `offset` with extent `count`; only dims 0 and 1 may be partial.
   void write(const Dataset& dataset, std::span<const std::int64_t> offset, std::span<const std::int64_t> count,
              TensorView src);
-  // Writes the checksums and flushes everything to stable storage, checking every step.
+  // Writes the checksums and flushes everything to stable storage, checking every step (a writer of
+  // CheckpointWriter::pieces leaves the flush to the seal, which syncs the same file).
   PiecesWritten finish();
 
  private:
+  friend class CheckpointWriter;
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
@@ -104,9 +111,10 @@ struct CheckpointState;
 // pieces() stays valid until the commit.
 class [[clang::consumable(unconsumed)]] CheckpointWriter {
  public:
-  // Creates the temporary file beside `dest` and the skeleton in it (create_skeleton).
+  // Creates the temporary file beside `dest` and the skeleton in it (create_skeleton; `shared`:
+  // other processes write into it too).
   static CheckpointWriter create(io::Destination dest, std::span<const Dataset> datasets,
-                                 const CheckpointContents& contents, std::int64_t checksum_rows);
+                                 const CheckpointContents& contents, std::int64_t checksum_rows, bool shared = true);
   CheckpointWriter(CheckpointWriter&&) noexcept;
   CheckpointWriter& operator=(CheckpointWriter&&) noexcept;
   ~CheckpointWriter();
@@ -133,7 +141,8 @@ class [[clang::consumable(unconsumed)]] WrittenCheckpoint {
   WrittenCheckpoint(WrittenCheckpoint&&) noexcept;
   WrittenCheckpoint& operator=(WrittenCheckpoint&&) noexcept;
   ~WrittenCheckpoint();
-  // Marks the checkpoint complete and seals it (mark_complete).
+  // Gives the file its final mode and group (io::TemporaryFile::take_destination_mode), marks it
+  // complete and seals it (mark_complete), which syncs it once for all three.
   [[clang::callable_when(unconsumed)]] [[clang::set_typestate(consumed)]] SealedCheckpoint seal() &&;
 
  private:

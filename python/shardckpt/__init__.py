@@ -28,7 +28,8 @@ from .state_dict import load_state_dict, save_state_dict
 
 __version__ = _core.__version__
 ShardedParam.shard_of = _shard_of
-__all__ = ["AsyncSave", "Error", "ParamSpec", "Saver", "Section", "ShardedParam", "ShardedTensor", "SsmDims",
+# (open is not in __all__: a star import would hide the builtin open.)
+__all__ = ["AsyncSave", "Checkpoint", "Error", "ParamSpec", "Saver", "Section", "ShardedParam", "ShardedTensor", "SsmDims",
            "StateDict", "TorchGroup", "TpDivisor", "adopt", "gdp_conv1d_sections", "gdp_in_proj_sections", "inspect", "load",
            "load_into", "load_state_dict", "mamba_conv1d_sections", "mamba_in_proj_sections", "plain_sections", "read",
            "save", "save_state_dict", "ssm_divisors", "verify"]
@@ -70,7 +71,9 @@ def _as_torch(loaded):
 def save(state, path, group=None, **options):
     """Saves every rank's `state` (a StateDict) as one checkpoint at `path` (collective).
     Options: method="raw"|"hyperslab", checksums=True, follow_links=True (False: a `path` that is a
-    symbolic link is refused rather than its target replaced, for a file name fixed by the caller)."""
+    symbolic link is refused rather than its target replaced, for a file name fixed by the caller),
+    refused="" (a reason this rank refuses its input: the save's first exchange fails every rank with
+    it, code "invalid_argument" naming this rank, and nothing is written)."""
     _sync_cuda()
     _core.save(state, os.fspath(path), _group(group), **options)
 
@@ -80,7 +83,7 @@ def load_into(path, state, group=None, **options):
     checkpoint's common values (and the state's local ones) as a dict. Options: method,
     verify_checksums=True, bypass_page_cache=False, expect_id="" (inspect's "checkpoint_id": a checkpoint
     another save put at `path` since is refused, code "replaced", so that what was inspected and
-    what is loaded are one checkpoint)."""
+    what is loaded are one checkpoint), refused="" (as save's)."""
     _sync_cuda()
     values = _core.load_into(os.fspath(path), state, _group(group), **options)
     _sync_cuda()
@@ -92,8 +95,62 @@ def load(path, request, group=None, **options):
     a dict from each tensor key to a torch tensor, and from each common value's key to its value.
     Options: method, verify_checksums=True, map=True (a tensor whose rows lie in the file as they
     would in memory is a private mapping of the file, every row checked: docs/python.md),
-    expect_id="" (as load_into's)."""
+    expect_id="" and refused="" (as load_into's)."""
     return _as_torch(_core.load(os.fspath(path), request, _group(group), **options))
+
+
+class Checkpoint:
+    """A checkpoint held open (shardckpt.open): its id, its report (inspect) and loads that read from
+    this one open file, so that a load's tree, common values and tensors come from one checkpoint
+    whatever another save puts at the path meanwhile. A context manager; close() lets the file go (a
+    mapped tensor keeps its pages)."""
+
+    def __init__(self, core):
+        self._core = core
+
+    @property
+    def path(self):
+        return str(self._core.path)
+
+    @property
+    def checkpoint_id(self):
+        return self._core.checkpoint_id
+
+    @property
+    def closed(self):
+        return self._core.closed
+
+    def inspect(self):
+        """This checkpoint's tensors, parameter records, common values and id, as inspect(path) gives them."""
+        return self._core.inspect()
+
+    def load_into(self, state, group=None, **options):
+        """load_into(path, state, group, ...) from this open file (collective over `group`: every rank's
+        Checkpoint must hold the same checkpoint, or every rank fails with code "replaced")."""
+        _sync_cuda()
+        values = self._core.load_into(state, _group(group), **options)
+        _sync_cuda()
+        return values
+
+    def load(self, request, group=None, **options):
+        """load(path, request, group, ...) from this open file."""
+        return _as_torch(self._core.load(request, _group(group), **options))
+
+    def close(self):
+        self._core.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def open(path, group=None):
+    """Opens the checkpoint at `path` (collective over `group`: rank 0 checks its metadata's seal, the
+    others that theirs has it; None: this process alone) and returns it as a Checkpoint, from which
+    inspect() and loads read: one open file for the whole load."""
+    return Checkpoint(_core.open(os.fspath(path), _group(group)))
 
 
 def read(path, tp=1, tp_rank=0, map=True):

@@ -172,7 +172,7 @@ struct SaveTarget {
 // temporary file beside the destination (a link at `path` is followed: the checkpoint replaces its
 // target), and for every rank that file, the datasets' extents and where its checksums start.
 Bytes create_checkpoint(const std::vector<std::span<const std::byte>>& payloads, const fs::path& path,
-                        const SaveOptions& options, SaveTarget& dest) {
+                        const SaveOptions& options, SaveTarget& dest, bool shared) {
   CheckpointContents contents;
   contents.id = io::random_id();
   contents.checksummed = options.checksums;
@@ -181,7 +181,8 @@ Bytes create_checkpoint(const std::vector<std::span<const std::byte>>& payloads,
   if (!options.checksums) planned.checksum_rows = 0;
   io::Destination where = io::Destination::of(path, options.follow_links);
   dest.dir = where.path.parent_path();
-  dest.checkpoint.emplace(CheckpointWriter::create(std::move(where), planned.specs, contents, planned.checksum_rows));
+  dest.checkpoint.emplace(
+      CheckpointWriter::create(std::move(where), planned.specs, contents, planned.checksum_rows, shared));
   const Skeleton& skeleton = dest.checkpoint->skeleton();
   Writer w;
   w.str(dest.dir.string());
@@ -345,7 +346,9 @@ void save_with(const std::function<SavePlan()>& make_plan, const fs::path& path,
           return payload;
         },
         [&](const std::vector<std::span<const std::byte>>& payloads) {
-          return create_checkpoint(payloads, path, options, dest);
+          // Other processes open the file next: it is synced first (a network file system needs that
+          // for them to see it). Ranks that are threads of this process see it as it is.
+          return create_checkpoint(payloads, path, options, dest, group.size() > 1 && !group.threads_of_one_process());
         });
     digests.verdict = digest(verdict);
     const Created created = read_verdict(verdict, plan, me, group.size(), dest);

@@ -376,7 +376,8 @@ TemporaryFile::TemporaryFile(TemporaryFile&& other) noexcept
       file_(std::move(other.file_)),
       name_(std::move(other.name_)),
       identity_(other.identity_),
-      pending_(std::exchange(other.pending_, false)) {}
+      pending_(std::exchange(other.pending_, false)),
+      mode_taken_(other.mode_taken_) {}
 
 TemporaryFile& TemporaryFile::operator=(TemporaryFile&& other) noexcept {
   if (this != &other) {
@@ -386,15 +387,15 @@ TemporaryFile& TemporaryFile::operator=(TemporaryFile&& other) noexcept {
     name_ = std::move(other.name_);
     identity_ = other.identity_;
     pending_ = std::exchange(other.pending_, false);
+    mode_taken_ = other.mode_taken_;
   }
   return *this;
 }
 
 TemporaryFile::~TemporaryFile() { discard(); }
 
-void TemporaryFile::commit() {
-  require(pending_, Errc::internal, "a temporary file committed twice");
-  dest_.require_replaceable();
+void TemporaryFile::take_destination_mode() {
+  require(pending_, Errc::internal, "the mode taken for a temporary file already committed");
   const std::optional<FileStatus> old = dest_.dir.status(dest_.name);
   if (old && old->kind == FileKind::regular) {
     file_.set_mode(old->mode);
@@ -402,7 +403,16 @@ void TemporaryFile::commit() {
   } else {
     file_.set_mode(new_file_mode());
   }
-  file_.sync();
+  mode_taken_ = true;
+}
+
+void TemporaryFile::commit() {
+  require(pending_, Errc::internal, "a temporary file committed twice");
+  dest_.require_replaceable();
+  if (!mode_taken_) {
+    take_destination_mode();
+    file_.sync();
+  }
   const std::optional<FileStatus> mine = dest_.dir.status(name_);
   require(mine && mine->identity == identity_, Errc::io, "cannot commit ", dest_.path.string(), ": ",
           file_.path().string(), " is no longer the file this save wrote (it was removed or replaced)");

@@ -196,7 +196,7 @@ std::uint64_t metadata_estimate(std::span<const Dataset> datasets, const Checkpo
 }  // namespace
 
 Skeleton create_skeleton(io::File& f, std::span<const Dataset> datasets, const CheckpointContents& contents,
-                         std::int64_t checksum_rows) {
+                         std::int64_t checksum_rows, bool shared) {
   require(checksum_rows >= 0 && (contents.checksummed || checksum_rows == 0), Errc::internal, "a checksum count of ", checksum_rows);
   const fs::path& partial = f.path();
   const Where w{partial, "", "create the checkpoint"};
@@ -216,7 +216,7 @@ Skeleton create_skeleton(io::File& f, std::span<const Dataset> datasets, const C
     if (slabs) slabs.close(w);
     hdf5::close_written(file, channel, "create the checkpoint");
   }
-  f.sync();
+  if (shared) f.sync();
   // In the order they were given (key order, as a skeleton lists them), not the file's.
   std::vector<Dataset> made(datasets.size());
   for (std::size_t k = 0; k < order.size(); ++k) made[order[k]] = std::move(out.datasets[k]);
@@ -350,6 +350,7 @@ struct PieceWriter::Impl {
   std::vector<std::uint64_t> hashes;  // not yet in the table
   std::int64_t hashes_written = 0;    // checksums of this writer already in the table
   BytesDone progress;
+  bool sync_at_finish = true;  // false: the seal syncs the file (CheckpointWriter::pieces)
   // With checksums, each batch is copied here first, hashed here and written from here: the
   // checksums then describe the very bytes in the file, whatever the caller does to its memory
   // meanwhile (a second read of the caller's rows could see other bytes than the first).
@@ -415,7 +416,7 @@ PiecesWritten PieceWriter::finish() {
   Impl& m = *impl_;
   m.flush_hashes();
   m.sink->finish();
-  m.file.sync();
+  if (m.sync_at_finish) m.file.sync();
   return PiecesWritten(m.file);
 }
 
@@ -451,9 +452,9 @@ CheckpointState& state_of(const std::unique_ptr<CheckpointState>& state, std::st
 }  // namespace
 
 CheckpointWriter CheckpointWriter::create(io::Destination dest, std::span<const Dataset> datasets,
-                                          const CheckpointContents& contents, std::int64_t checksum_rows) {
+                                          const CheckpointContents& contents, std::int64_t checksum_rows, bool shared) {
   io::TemporaryFile temp = io::TemporaryFile::create(std::move(dest));
-  Skeleton skeleton = create_skeleton(temp.file(), datasets, contents, checksum_rows);
+  Skeleton skeleton = create_skeleton(temp.file(), datasets, contents, checksum_rows, shared);
   return CheckpointWriter(std::make_unique<CheckpointState>(std::move(temp), std::move(skeleton)));
 }
 
@@ -469,7 +470,9 @@ PieceWriter CheckpointWriter::pieces(IoMethod method, std::optional<std::int64_t
   CheckpointState& s = state_of(state_, "pieces");
   std::optional<ChecksumSlot> slot;
   if (first_checksum) slot = ChecksumSlot{s.skeleton.checksums_address, *first_checksum};
-  return PieceWriter(s.temp.file(), method, slot, std::move(progress));
+  PieceWriter out(s.temp.file(), method, slot, std::move(progress));
+  out.impl_->sync_at_finish = false;  // its pieces reach stable storage with the seal's sync of this file
+  return out;
 }
 
 PiecesWritten CheckpointWriter::write_checksums(std::span<const std::uint64_t> hashes) {
@@ -493,6 +496,7 @@ WrittenCheckpoint::~WrittenCheckpoint() = default;
 
 SealedCheckpoint WrittenCheckpoint::seal() && {
   CheckpointState& s = state_of(state_, "seal");
+  s.temp.take_destination_mode();  // synced with the seal below, not on its own at the commit
   mark_complete(s.temp.file(), s.skeleton.data);
   return SealedCheckpoint(std::move(state_));
 }

@@ -150,6 +150,56 @@ class Api(unittest.TestCase):
         req.add(sc.ShardedTensor.expect("counts", torch.int64, [2, 4], [6, 4], [4, 0]))
         self.assertTrue(torch.equal(sc.load(self.path, req)["counts"], t[4:]))
 
+    def test_an_open_checkpoint_is_one_file_whatever_replaces_its_path(self):
+        path = os.path.join(self.dir, "open.h5")
+
+        def save(value, step):
+            st = sc.StateDict()
+            st.add(sc.ShardedTensor("w", torch.full((64, 8), float(value)), [64, 8], [0, 0]))
+            st.add_common("step", step)
+            sc.save(st, path)
+
+        save(1, 1)
+        ck = sc.open(path)
+        first = ck.checkpoint_id
+        self.assertEqual(ck.inspect()["checkpoint_id"], first)
+        self.assertEqual(ck.inspect()["common"]["step"], 1)
+        save(2, 2)  # another save replaces the path: the open checkpoint is still the first
+        self.assertNotEqual(sc.inspect(path)["checkpoint_id"], first)
+        self.assertEqual(ck.inspect()["common"]["step"], 1)
+        target = torch.zeros(64, 8)
+        into = sc.StateDict()
+        into.add(sc.ShardedTensor("w", target, [64, 8], [0, 0]))
+        self.assertEqual(ck.load_into(into)["step"], 1)
+        self.assertTrue(torch.equal(target, torch.full((64, 8), 1.0)))
+        request = sc.StateDict()
+        request.add(sc.ShardedTensor.expect("w", torch.float32, [64, 8], [64, 8], [0, 0]))
+        self.assertTrue(torch.equal(ck.load(request)["w"], torch.full((64, 8), 1.0)))
+        with sc.open(path) as again:  # the path now: the second save
+            self.assertEqual(again.load(request)["w"][0, 0].item(), 2.0)
+        self.assertTrue(again.closed)
+        ck.close()
+        with self.assertRaises(sc.Error) as e:
+            ck.load_into(into)
+        self.assertIn("closed", str(e.exception))
+
+    def test_a_refusal_fails_the_call_before_anything_is_written_or_read(self):
+        path = os.path.join(self.dir, "refused.h5")
+        st = sc.StateDict()
+        t = torch.ones(4, 4)
+        st.add(sc.ShardedTensor("w", t, [4, 4], [0, 0]))
+        with self.assertRaises(sc.Error) as e:
+            sc.save(st, path, refused="w: not saved on purpose")
+        self.assertEqual(e.exception.code, "invalid_argument")
+        self.assertIn("w: not saved on purpose", str(e.exception))
+        self.assertFalse(os.path.exists(path))
+        sc.save(st, path)
+        t.zero_()
+        with self.assertRaises(sc.Error) as e:
+            sc.load_into(path, st, refused="not loaded on purpose")
+        self.assertEqual(e.exception.code, "invalid_argument")
+        self.assertEqual(t.sum().item(), 0.0)
+
     def test_errors_name_the_key(self):
         key = spec_at(1).key
         full = reference(1, 0)
