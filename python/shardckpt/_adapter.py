@@ -19,6 +19,7 @@ binding: what each of them hands the library and takes back from it, done one wa
 """
 import json
 import os
+import re
 import sys
 
 from . import _core
@@ -103,34 +104,74 @@ def vote(group, failure, otherwise=RuntimeError):
     exchange(group, None, failure, otherwise)
 
 
+# A refusal as the library carries it across ranks (refused=): "[TypeError] the message".
+_REFUSAL = re.compile(r"failed on (ranks? [0-9, -]+): \[([A-Za-z_][A-Za-z0-9_.]*)\] ")
+_KINDS = {"TypeError": TypeError, "ValueError": ValueError, "KeyError": KeyError}
+
+
+def _refusal(failure):
+    message = failure.args[0] if isinstance(failure, KeyError) and failure.args else str(failure)
+    return f"[{type(failure).__name__}] {message}"
+
+
+def collective(call, group, failure, otherwise=RuntimeError):
+    """Runs `call(refused)`, one collective call of the library over `group` (save, a load) that
+    carries this rank's `failure` (None, or the exception its front end met before the call) into its
+    first exchange: every rank then fails at once, nothing written or read, with no exchange of its
+    own. This rank raises its own failure; another rank raises the first failing rank's (its type
+    where it is TypeError, ValueError or KeyError, else `otherwise`; its text naming the rank); a
+    failure of the library's own is the library's error."""
+    if failure is not None and group is None:
+        raise failure
+    try:
+        return call(_refusal(failure) if failure is not None else "")
+    except _core.Error as e:
+        if failure is not None:
+            raise failure from None
+        found = _REFUSAL.search(str(e))
+        if found is None or e.code != "invalid_argument":
+            raise
+        rest = str(e)[found.end():]
+        more = rest.find("; and on ")
+        others = " (other ranks failed too)" if more >= 0 else ""
+        if more >= 0:
+            rest = rest[:more]
+        raise _KINDS.get(found.group(2), otherwise)(f"{found.group(1)}: {rest}{others}") from None
+
+
 # ----------------------------------------------------------------------------------------------
 # Opening a checkpoint
 
 
 class Checkpoint:
-    """One checkpoint as a front end reads it: its path, its id, its common values (a dict) and its
-    datasets ({key: inspect's tensor info}); load_into loads tensors from this same checkpoint (a
-    file another save put at the path since is refused, code "replaced")."""
+    """One checkpoint as a front end reads it, held open by the library (shardckpt.open): its path, its
+    id, its common values (a dict) and its datasets ({key: inspect's tensor info}), all of this one
+    open file, and load_into, which reads its tensors from that same file whatever another save puts
+    at the path meanwhile. close() lets the file go."""
 
-    def __init__(self, path, info):
-        self.path = os.fspath(path)
+    def __init__(self, handle):
+        self._handle = handle
+        info = handle.inspect()
+        self.path = handle.path
         self.checkpoint_id = info["checkpoint_id"]
         self.common = info["common"]
         self.datasets = {t["key"]: t for t in info["tensors"]}
 
-    def load_into(self, state, group=None, **options):
-        """Fills `state` (a _core.StateDict) from this checkpoint (collective over `group` when given);
-        options as shardckpt.load_into's (method, verify_checksums, bypass_page_cache)."""
-        from . import load_into
-        return load_into(self.path, state, group, expect_id=self.checkpoint_id, **options)
+    def load_into(self, state, group=None, refused="", **options):
+        """Fills `state` (a _core.StateDict) from this checkpoint (collective over `group` when given: the
+        ranks' checkpoints must be one, or every rank fails with code "replaced"); options as
+        shardckpt.load_into's (method, verify_checksums, bypass_page_cache); `refused` as collective's."""
+        return self._handle.load_into(state, group, refused=refused, **options)
+
+    def close(self):
+        self._handle.close()
 
 
 def open_checkpoint(path, group=None):
-    """The checkpoint at `path` (a Checkpoint), read by this rank (`group` is accepted for an
-    implementation that opens it collectively; this one reads it on each rank alone)."""
-    from . import inspect
-    del group
-    return Checkpoint(path, inspect(path))
+    """The checkpoint at `path`, opened once (collective over `group` when given: rank 0 checks its
+    metadata's seal, the others that theirs has it; every rank gets it or the same error)."""
+    from . import open as open_held
+    return Checkpoint(open_held(path, group))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -385,9 +426,11 @@ class Load:
         for target, temp in self.copy_back:
             target.copy_(temp)
 
-    def run(self, checkpoint, group=None, **options):
+    def run(self, checkpoint, group=None, failure=None, otherwise=RuntimeError, **options):
         """Loads this load's entries from `checkpoint` (a Checkpoint) and copies the temporaries back;
-        returns load_into's values."""
-        values = checkpoint.load_into(self.state, group, **options)
+        returns load_into's values. `failure`: this rank's refusal, voted on in the load's first
+        exchange (collective)."""
+        values = collective(lambda refused: checkpoint.load_into(self.state, group, refused, **options), group,
+                            failure, otherwise)
         self.finish()
         return values

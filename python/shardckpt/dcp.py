@@ -34,8 +34,8 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from . import _core
-from ._adapter import (Load, as_bytes, bytes_entry, default_group, entry, open_checkpoint, recorded_dtypes, torch_dtype,
-                       vote, write_dtypes)
+from ._adapter import (Load, as_bytes, bytes_entry, collective, default_group, entry, open_checkpoint, recorded_dtypes,
+                       torch_dtype, write_dtypes)
 
 __all__ = ["BYTES_KEY", "PLANNER_DATA_KEY", "Reader", "Writer"]
 
@@ -144,8 +144,9 @@ class Writer(_Path, StorageWriter):
             write_dtypes(state, shared["dtypes"])
         except Exception as e:  # noqa: BLE001 - any refusal (a value DCP cannot pickle, say) is voted on
             failure = e
-        vote(group, failure)
-        save(state, _plain_path(self.path), group, **self._options)
+        # A refusal on any rank fails every rank in the save's first exchange, before anything is written.
+        collective(lambda refused: save(state, _plain_path(self.path), group, refused=refused, **self._options),
+                   group, failure)
         return _done(results)
 
     def finish(self, metadata, results):
@@ -278,7 +279,8 @@ class Reader(_Path, StorageReader):
                 target = planner.resolve_tensor(req).detach()
                 load.tensor(key, target, torch_dtype(key, info, self._dtypes), shape, list(req.storage_offsets))
                 after.append((req, target, None))
-            # The checkpoint every rank agreed on: a file replaced since is refused (code "replaced").
+            # From the file read_metadata opened (the one every rank agreed on in prepare_global_plan),
+            # whatever another save has put at the path since.
             load.run(checkpoint, None, **self._options)
             for req, target, read in after:
                 if target is None:

@@ -464,8 +464,11 @@ class LoadStrategy(_LoadBase):
                                          "before 0.18, whose common state is in common.pt")
         load = Load()
         read = load.bytes(name, datasets[name]["global_shape"][0])
-        _collective(lambda: load.run(checkpoint, None, **self._options))
-        _COMMON_READ[os.path.realpath(os.fspath(checkpoint_dir))] = checkpoint
+        try:
+            _collective(lambda: load.run(checkpoint, None, **self._options))
+        finally:
+            checkpoint.close()
+        _COMMON_READ[os.path.realpath(os.fspath(checkpoint_dir))] = checkpoint.checkpoint_id
         return self._unpickle(read.value(), "the common state", checkpoint.path)
 
     def load(self, sharded_state_dict, checkpoint_dir, *args):
@@ -474,11 +477,16 @@ class LoadStrategy(_LoadBase):
         group = default_group(None)
         load, object_reads, failure, checkpoint = Load(), [], None, None
         path = _path(checkpoint_dir)
+        checkpoint_id = None
         try:
-            # The checkpoint Megatron's common state came from (0.19 reads it first), else this one.
-            checkpoint = _COMMON_READ.pop(os.path.realpath(os.fspath(checkpoint_dir)), None)
-            checkpoint, objects, dtypes = self._contents(checkpoint_dir, checkpoint)
-            path, datasets = checkpoint.path, checkpoint.datasets
+            # The checkpoint Megatron's common state came from (0.19 reads it first) must be this one.
+            common_from = _COMMON_READ.pop(os.path.realpath(os.fspath(checkpoint_dir)), None)
+            checkpoint, objects, dtypes = self._contents(checkpoint_dir)
+            path, datasets, checkpoint_id = checkpoint.path, checkpoint.datasets, checkpoint.checkpoint_id
+            if common_from is not None and common_from != checkpoint_id:
+                raise CheckpointingException(
+                    f"{path} holds checkpoint {checkpoint_id}, not {common_from} whose common state was loaded: "
+                    "another save replaced it during the load (load again); nothing was loaded")
             by_unique_key = {k: name for name, k in objects.items()}
             tensors, sharded_objects = _sharded(sharded_state_dict)
             for sh in tensors:
@@ -491,15 +499,27 @@ class LoadStrategy(_LoadBase):
                 object_reads.append((obj, load.bytes(name, datasets[name]["global_shape"][0])))
         except Exception as e:  # noqa: BLE001 - any refusal is voted on, so no rank waits on another
             failure = e
-        _exchange(group, None, failure)
+        # Every rank opened the same checkpoint (a save that replaced the file between two ranks' opens
+        # fails the load on every rank), or every rank raises the first refusal.
+        ids = _exchange(group, checkpoint_id, failure)
+        if len(set(ids)) > 1:
+            if checkpoint is not None:
+                checkpoint.close()
+            other = next(r for r, i in enumerate(ids) if i != ids[0])
+            raise CheckpointingException(f"{path}: the ranks opened different checkpoints (rank 0 checkpoint {ids[0]}, "
+                                         f"rank {other} checkpoint {ids[other]}): another save replaced the file "
+                                         "during the load (load again); nothing was loaded")
         failure, loaded = None, {}
         try:
+            # Each rank reads its parts from the file it opened, the one every rank agreed on.
             # Temporaries copied back in the order Megatron lists the tensors, as torch_dist fills them.
             load.run(checkpoint, None, **self._options)
             for obj, read in object_reads:  # unpickled before the last exchange: a bad one fails every rank
                 loaded[id(obj)] = self._unpickle(read.value(), f"ShardedObject {obj.unique_key}", path)
         except Exception as e:  # noqa: BLE001 - voted on, as above
             failure = e
+        finally:
+            checkpoint.close()
         _exchange(group, None, failure)
         return dict_list_map_inplace(lambda v: loaded[id(v)] if isinstance(v, ShardedObject) else v.data,
                                      sharded_state_dict)

@@ -18,7 +18,7 @@ are the adapter's (_adapter.py), and every byte is saved and loaded by the libra
 import json
 
 from . import _core
-from ._adapter import (_AS_BYTES, TORCH_DTYPE_NAMES, Load, Tensors, as_bytes, default_group, exchange,
+from ._adapter import (_AS_BYTES, TORCH_DTYPE_NAMES, Load, Tensors, as_bytes, collective, default_group, exchange,
                        open_checkpoint, recorded_dtypes, require_plain_bytes, stored_dtype, torch_dtype, vote,
                        write_dtypes)
 
@@ -126,8 +126,8 @@ def save_state_dict(state_dict, path, group=None, **options):
         write_dtypes(state, {key: as_bytes(value.dtype) for key, value in found if as_bytes(value.dtype)})
     except Exception as e:  # noqa: BLE001 - any refusal (a DLPack error too) is voted on: no rank waits
         failure = e
-    vote(group, failure)
-    save(state, path, group, **options)
+    # A refusal on any rank fails every rank in the save's first exchange, before anything is written.
+    collective(lambda refused: save(state, path, group, refused=refused, **options), group, failure)
 
 
 # How deep a saved tree may nest: far beyond any state dict, far below Python's recursion limit.
@@ -301,8 +301,10 @@ def load_state_dict(state_dict, path, group=None, **options):
     group = default_group(group)
     tensors = Tensors(group)
     loads, result, failure = None, None, None
+    # One open of the file for the whole load, collective: its tree, common values and tensors are
+    # one checkpoint's, and every rank's is the same one (or every rank fails, code "replaced").
+    checkpoint = open_checkpoint(path, group)
     try:
-        checkpoint = open_checkpoint(path, group)
         common = checkpoint.common
         loads = _Loads(tensors, checkpoint)
         structure = _structure(checkpoint)
@@ -316,8 +318,10 @@ def load_state_dict(state_dict, path, group=None, **options):
             result = _restore(structure, state_dict, (), loads, common)
     except Exception as e:  # noqa: BLE001 - any refusal is voted on: no rank waits on another's
         failure = e
-    vote(group, failure)
-    # The tensors from the file whose tree and common values were read above: a checkpoint another
-    # save put at `path` since is refused (code "replaced"), never mixed in.
-    loads.load.run(checkpoint, group, **options)
+    try:
+        # The tensors from the file whose tree and common values were read above; a refusal on any
+        # rank fails every rank in the load's first exchange, before anything is read.
+        (loads.load if loads is not None else Load()).run(checkpoint, group, failure, **options)
+    finally:
+        checkpoint.close()
     return result

@@ -489,6 +489,28 @@ def case_guards(d):
     got = dist_checkpointing.load(req, path, sharded_strategy=scm.LoadStrategy(weights_only=False))
     if not isinstance(got["o"], Secret) or got["o"].v != RANK:
         raise AssertionError(f"weights_only=False: {got['o']!r}")
+    # Ranks that opened different checkpoints (a save replaced the file between their opens: staged
+    # here by rank 1 opening another directory's file) fail on every rank before any reads.
+    one, other = fresh(d, "one"), fresh(d, "other")
+
+    def rows(value):
+        return {"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 4), float(value)), (0, RANK, WORLD))}
+
+    dist_checkpointing.save(rows(1), one, sharded_strategy=BACKEND)
+    dist_checkpointing.save(rows(2), other, sharded_strategy=BACKEND)
+    real = scm._path
+    if RANK == 1:
+        scm._path = lambda checkpoint_dir: real(other if os.fspath(checkpoint_dir) == one else checkpoint_dir)
+    target = rows(-1)
+    try:
+        expect_raised(lambda: scm.LoadStrategy().load(target, one), CheckpointingException,
+                      ["the ranks opened different checkpoints", "rank 1 checkpoint"])
+    finally:
+        scm._path = real
+    if bool((target["w"].data != -1).any()):
+        raise AssertionError("w was read although the ranks opened different checkpoints")
+    scm.LoadStrategy().load(target, one)  # the control: every rank opens the same one
+    expect_equal(target["w"].data, torch.full((4, 4), 1.0), "w of the control load")
     if not NEW:
         return
     from megatron.core.dist_checkpointing.strategies.fully_parallel import (FullyParallelLoadStrategyWrapper,
