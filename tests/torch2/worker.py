@@ -356,6 +356,45 @@ def case_bad_input(d, mesh1, mesh2):
         expect_failure(f"{what} on rank 1", lambda: sc.save_state_dict(state, bad), *needles, kinds=(TypeError,))
         if time.monotonic() - t0 > 30 or os.path.exists(bad):
             raise AssertionError(f"{what} on rank 1: {time.monotonic() - t0:.1f} s, file left: {os.path.exists(bad)}")
+    # The vote is the library's: a refusal rides in the save's (and the load's) first exchange, a
+    # gather and its verdict, and a call without one takes no round more than the library's own.
+    class Counting:
+        def __init__(self):
+            self.inner, self.calls = sc.TorchGroup(), 0
+
+        def __getattr__(self, name):
+            method = getattr(self.inner, name)
+            if name not in ("all_gather_bytes", "broadcast_bytes", "all_gather_rows", "barrier"):
+                return method
+
+            def counted(*args):
+                self.calls += 1
+                return method(*args)
+            return counted
+
+    # (A load opens the file first, collectively: 4 collectives before its first exchange.)
+    for what, state, call, calls in (
+            ("save_state_dict", {"odd": {"t": torch.empty(2, device="meta") if RANK == 1 else torch.ones(2)}},
+             lambda s, g: sc.save_state_dict(s, bad, group=g), 2),
+            ("load_state_dict", {"w": torch.ones(4, 3) if RANK == 1 else torch.ones(4, 2)},
+             lambda s, g: sc.load_state_dict(s, good, group=g), 4 + 2)):
+        counting = Counting()
+        expect_failure(f"{what}: a refusal on rank 1", lambda: call(state, counting),
+                       *(["rank 1"] if RANK != 1 else []), kinds=(TypeError, ValueError))
+        if counting.calls != calls:
+            raise AssertionError(f"{what}: a refusal took {counting.calls} collectives, not {calls}")
+    counting = Counting()
+    sc.save_state_dict({"w": torch.ones(4, 2)}, bad, group=counting)
+    if counting.calls != 6:
+        raise AssertionError(f"save_state_dict took {counting.calls} collectives, not the library's 6")
+    counting = Counting()
+    sc.load_state_dict({"w": torch.ones(4, 2)}, bad, group=counting)
+    if counting.calls != 8:
+        raise AssertionError(f"load_state_dict took {counting.calls} collectives, not the open's 4 and the load's 4")
+    dist.barrier()
+    if RANK == 0:
+        os.unlink(bad)
+    dist.barrier()
     # A value DCP cannot pickle, on rank 1 only: DCP's own FileSystemWriter fails both ranks at once.
     state = {"w": torch.ones(2), "hook": (lambda: 0) if RANK == 1 else 0}
     t0 = time.monotonic()
