@@ -18,6 +18,7 @@ binding: what each of them hands the library and takes back from it, done one wa
   checkpoint), vote and exchange (every rank's failure raised on every rank before a collective).
 """
 import json
+import math
 import os
 import re
 import sys
@@ -311,10 +312,23 @@ class Tensors:
         return [b for b in self._parts(value, key) if scalar or b[0].numel() > 0]
 
     def entries(self, key, value):
-        """This rank's entries to save of tensor `value`, named `key`."""
+        """This rank's entries to save of tensor `value`, named `key`. A tensor without elements (a
+        dimension of size 0) has no part that holds any, and is declared once, so that its dataset
+        exists at its shape: by rank 0 (a plain tensor, a torch ShardedTensor), or by the rank at the
+        first coordinate of a DTensor's mesh."""
         shape = self.global_shape(value)
+        boxes = self.boxes(value, key)
+        if shape and math.prod(shape) == 0:
+            kind = self.kind(value)
+            first = (value.device_mesh.get_coordinate() == [0] * value.device_mesh.ndim if kind == "dtensor"
+                     else self.rank == 0)
+            local = value.to_local() if kind == "dtensor" else value if kind == "tensor" else None
+            if local is None:
+                torch = _torch()
+                local = torch.empty(shape, dtype=value.dtype)
+            boxes = [(local, [0] * len(shape), 0, 1)] if first else []
         return [entry(key, local, shape, offset, replica_id, replicas)
-                for local, offset, replica_id, replicas in self.boxes(value, key)]
+                for local, offset, replica_id, replicas in boxes]
 
     def _parts(self, value, key):
         kind = self.kind(value)

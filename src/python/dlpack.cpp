@@ -83,6 +83,10 @@ class DlpackAllocation final : public Allocation {
 // dimension of size 1, which does not move).
 bool contiguous(const DLTensor& t) {
   if (t.strides == nullptr) return true;
+  // No elements, no bytes: any strides describe them (torch exports some such tensors with strides
+  // of 1 where a dense tensor of that shape would have others).
+  for (int d = 0; d < t.ndim; ++d)
+    if (t.shape[d] == 0) return true;
   std::int64_t expect = 1;
   for (int d = t.ndim - 1; d >= 0; --d) {
     if (t.shape[d] != 1 && t.strides[d] != expect) return false;

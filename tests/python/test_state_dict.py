@@ -233,7 +233,8 @@ class StateDictOneProcess(unittest.TestCase):
 
     def test_a_load_racing_saves_never_mixes_two_checkpoints(self):
         """One process saves {"w": full(g), "step": g} over and over; this one loads meanwhile: every
-        load gives one save's step and tensor, or is refused with code "replaced"; never a mix."""
+        load gives one save's step and tensor, never a mix; and since a load reads its tree, common
+        values and tensors from one open file, none is refused as "replaced" either."""
         import subprocess
         import sys
         import time
@@ -268,7 +269,21 @@ class StateDictOneProcess(unittest.TestCase):
             saver.wait()
         print(f"racing saves: {loads} loads, {refused} refused as replaced, {mixes} mixed", file=sys.stderr)
         self.assertEqual(mixes, 0, f"{mixes} of {loads} loads mixed two saves ({refused} refused)")
+        self.assertEqual(refused, 0, f"{refused} loads were refused: a load opened the file more than once")
         self.assertGreater(loads, 20)
+
+    def test_tensors_without_elements_are_datasets_of_their_shape(self):
+        sd = {"z": torch.zeros(0), "e": torch.zeros(0, 4, dtype=torch.bfloat16), "w": torch.ones(2)}
+        sc.save_state_dict(sd, self.path)
+        shapes = {t["key"]: tuple(t["global_shape"]) for t in sc.inspect(self.path)["tensors"]}
+        self.assertEqual(shapes, {"z": (0,), "e": (0, 4), "w": (2,)})
+        got = sc.load_state_dict({}, self.path)
+        self.assertEqual({k: tuple(v.shape) for k, v in got.items()}, {"z": (0,), "e": (0, 4), "w": (2,)})
+        self.assertEqual(got["e"].dtype, torch.bfloat16)
+        target = {"z": torch.ones(0), "e": torch.ones(0, 4, dtype=torch.bfloat16), "w": torch.zeros(2)}
+        got = sc.load_state_dict(target, self.path)
+        self.assertIs(got["e"], target["e"])
+        self.assertTrue(torch.equal(target["w"], torch.ones(2)))
 
 
 if __name__ == "__main__":
