@@ -36,6 +36,10 @@ struct SharedIdentity {
   std::uint64_t machine = 0;
 };
 SharedIdentity shared_identity(const FileIdentity& file);
+// This boot of this machine, as a number (its kernel's boot id and host name, hashed; 0 where they
+// cannot be read): processes that give the same nonzero number share one kernel, and so one page
+// cache, where a sync of a file by any of them syncs what every one of them wrote to it.
+std::uint64_t this_machine();
 bool same_file(const SharedIdentity& a, const SharedIdentity& b) noexcept;
 
 // What a directory entry or an open descriptor is.

@@ -89,6 +89,10 @@ class PieceWriter {
   // Writes the checksums and flushes everything to stable storage, checking every step (a writer of
   // CheckpointWriter::pieces leaves the flush to the seal, which syncs the same file).
   PiecesWritten finish();
+  // finish() then leaves the flush to stable storage to the caller, who syncs the same file later
+  // from a process of this machine (a save whose ranks share one kernel: rank 0's seal syncs every
+  // rank's pieces). The pieces are written either way.
+  void leave_sync_to_the_seal();
 
  private:
   friend class CheckpointWriter;

@@ -60,6 +60,7 @@ struct Planned {
   std::vector<Dataset> specs;
   std::vector<std::int64_t> first_checksums;  // per rank
   std::int64_t checksum_rows = 0;
+  bool one_machine = true;  // every rank runs on rank 0's machine (io::this_machine), one page cache
 };
 
 // Rank 0's side of planning: validates the claims of all ranks, part by part, lays out the checksum
@@ -76,6 +77,8 @@ Planned validate_in_parts(const std::vector<std::span<const std::byte>>& payload
     if (rank == 0) first_path = std::move(path);
     require(rank == 0 || path == first_path, Errc::invalid_argument, "the ranks name different paths: rank 0 saves to '",
             first_path, "', rank ", rank, " to '", path, "'");
+    const auto machine = static_cast<std::uint64_t>(r.i64());
+    out.one_machine = out.one_machine && machine != 0 && machine == io::this_machine();
     out.first_checksums.push_back(out.checksum_rows);
     out.checksum_rows = checked_add(out.checksum_rows, r.i64(), "checksummed rows of all ranks");
     claims_total = checked_add(claims_total, r.i64(), "claims of all ranks");
@@ -89,6 +92,7 @@ Planned validate_in_parts(const std::vector<std::span<const std::byte>>& payload
     for (std::size_t rank = 0; rank < payloads.size(); ++rank) {
       Reader r(payloads[rank]);
       (void)r.str();  // the path, compared above
+      (void)r.i64();  // the machine, compared above
       const std::int64_t checksum_rows = r.i64();
       std::int64_t running = 0;
       for (std::int64_t n = r.i64(); n > 0; --n) {
@@ -141,6 +145,7 @@ Bytes planning_payload(const SavePlan& plan, const fs::path& path, int me) {
   for (const Claim& c : claims) checksum_rows = checked_add(checksum_rows, claim_checksums(c), "checksummed rows");
   Writer w;
   w.str(file_named(path));
+  w.i64(static_cast<std::int64_t>(io::this_machine()));
   w.i64(checksum_rows);
   w.i64(static_cast<std::int64_t>(claims.size()));
   for (const Claim& c : claims) put_claim(w, c);
@@ -172,7 +177,7 @@ struct SaveTarget {
 // temporary file beside the destination (a link at `path` is followed: the checkpoint replaces its
 // target), and for every rank that file, the datasets' extents and where its checksums start.
 Bytes create_checkpoint(const std::vector<std::span<const std::byte>>& payloads, const fs::path& path,
-                        const SaveOptions& options, SaveTarget& dest, bool shared) {
+                        const SaveOptions& options, SaveTarget& dest) {
   CheckpointContents contents;
   contents.id = io::random_id();
   contents.checksummed = options.checksums;
@@ -181,8 +186,10 @@ Bytes create_checkpoint(const std::vector<std::span<const std::byte>>& payloads,
   if (!options.checksums) planned.checksum_rows = 0;
   io::Destination where = io::Destination::of(path, options.follow_links);
   dest.dir = where.path.parent_path();
-  dest.checkpoint.emplace(
-      CheckpointWriter::create(std::move(where), planned.specs, contents, planned.checksum_rows, shared));
+  // Ranks on other machines open the file next: it is synced first (a network file system needs that
+  // for them to see it). Ranks of this machine see it as it is, through its page cache.
+  dest.checkpoint.emplace(CheckpointWriter::create(std::move(where), planned.specs, contents, planned.checksum_rows,
+                                                   !planned.one_machine));
   const Skeleton& skeleton = dest.checkpoint->skeleton();
   Writer w;
   w.str(dest.dir.string());
@@ -192,6 +199,7 @@ Bytes create_checkpoint(const std::vector<std::span<const std::byte>>& payloads,
   for (const Dataset& d : skeleton.datasets) put_dataset(w, d);
   w.i64(static_cast<std::int64_t>(skeleton.checksums_address));
   w.dims(options.checksums ? planned.first_checksums : std::vector<std::int64_t>{});
+  w.u8(planned.one_machine ? 1 : 0);
   return w.take();
 }
 
@@ -200,6 +208,7 @@ Bytes create_checkpoint(const std::vector<std::span<const std::byte>>& payloads,
 struct Created {
   std::vector<Dataset> datasets;
   std::optional<ChecksumSlot> slot;
+  bool one_machine = false;  // every rank shares rank 0's page cache: its seal syncs every rank's pieces
 };
 
 Created read_verdict(const Bytes& verdict, const SavePlan& plan, int me, int ranks, SaveTarget& dest) {
@@ -221,6 +230,7 @@ Created read_verdict(const Bytes& verdict, const SavePlan& plan, int me, int ran
   require(first_checksums.empty() || first_checksums.size() == static_cast<std::size_t>(ranks), Errc::collective,
           "the planning verdict does not have one checksum start per rank");
   if (!first_checksums.empty()) out.slot = ChecksumSlot{checksums_address, first_checksums[static_cast<std::size_t>(me)]};
+  out.one_machine = r.u8() == 1;
   return out;
 }
 
@@ -297,6 +307,9 @@ void write_pieces(ProcessGroup& group, const SavePlan& plan, const Created& crea
     if (created.slot) first = created.slot->first_checksum;
     PieceWriter writer = dest.checkpoint ? dest.checkpoint->pieces(options.method, first, options.progress)
                                          : PieceWriter(*dest.opened, options.method, created.slot, options.progress);
+    // On rank 0's machine, rank 0's seal syncs the file, every rank's pieces with it: one sync, not one
+    // per rank (ranks on other machines sync their own, which a network file system needs).
+    if (!dest.checkpoint && created.one_machine) writer.leave_sync_to_the_seal();
     write_items(plan, created.datasets, writer, options.staging, staged);
     PiecesWritten done = writer.finish();
     if (dest.checkpoint) dest.mine.emplace(std::move(done));
@@ -346,9 +359,7 @@ void save_with(const std::function<SavePlan()>& make_plan, const fs::path& path,
           return payload;
         },
         [&](const std::vector<std::span<const std::byte>>& payloads) {
-          // Other processes open the file next: it is synced first (a network file system needs that
-          // for them to see it). Ranks that are threads of this process see it as it is.
-          return create_checkpoint(payloads, path, options, dest, group.size() > 1 && !group.threads_of_one_process());
+          return create_checkpoint(payloads, path, options, dest);
         });
     digests.verdict = digest(verdict);
     const Created created = read_verdict(verdict, plan, me, group.size(), dest);

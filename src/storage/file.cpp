@@ -188,8 +188,6 @@ std::string_view file_kind_name(FileKind kind) noexcept {
   return "not a regular file";
 }
 
-namespace {
-
 // This boot of this machine: the kernel's boot id, hashed (0 where it cannot be read).
 std::uint64_t this_machine() {
   static const std::uint64_t id = [] {
@@ -204,7 +202,6 @@ std::uint64_t this_machine() {
   return id;
 }
 
-}  // namespace
 
 SharedIdentity shared_identity(const FileIdentity& file) { return {file, this_machine()}; }
 

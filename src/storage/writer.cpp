@@ -372,6 +372,8 @@ PieceWriter::PieceWriter(io::File& file, IoMethod method, std::optional<Checksum
   impl_->progress = std::move(progress);
 }
 
+void PieceWriter::leave_sync_to_the_seal() { impl_->sync_at_finish = false; }
+
 PieceWriter::PieceWriter(PieceWriter&&) noexcept = default;
 PieceWriter& PieceWriter::operator=(PieceWriter&&) noexcept = default;
 PieceWriter::~PieceWriter() = default;
