@@ -111,6 +111,11 @@ class File {
   void pread_all(void* dst, std::size_t n, std::uint64_t offset) const;
   std::size_t pread_upto(void* dst, std::size_t n, std::uint64_t offset) const;
   void pwrite_all(const void* src, std::size_t n, std::uint64_t offset);
+  // Asks the kernel to start writing the dirty pages of bytes [begin, end) to disk now, without
+  // waiting for them (sync_file_range(SYNC_FILE_RANGE_WRITE)): a later sync() then waits for less.
+  // Only a hint: it reports nothing (a write error shows at the sync), and where the file system
+  // lacks it, nothing happens.
+  void start_writeback(std::uint64_t begin, std::uint64_t end) const noexcept;
   void truncate(std::uint64_t size);
   // Flushes the file's data and metadata to stable storage.
   void sync() { fd_.sync(); }

@@ -144,6 +144,12 @@ void File::pread_all(void* dst, std::size_t n, std::uint64_t offset) const {
           " bytes are needed at byte ", offset, " (truncated)");
 }
 
+void File::start_writeback(std::uint64_t begin, std::uint64_t end) const noexcept {
+  if (begin < end && end <= static_cast<std::uint64_t>(std::numeric_limits<off_t>::max()))
+    (void)::sync_file_range(descriptor(), static_cast<off_t>(begin), static_cast<off_t>(end - begin),
+                            SYNC_FILE_RANGE_WRITE);
+}
+
 void File::pwrite_all(const void* src, std::size_t n, std::uint64_t offset) {
   const auto* p = static_cast<const std::byte*>(src);
   std::size_t done = 0;
