@@ -19,7 +19,6 @@ binding: what each of them hands the library and takes back from it, done one wa
 """
 import json
 import math
-import os
 import re
 import sys
 

@@ -75,8 +75,8 @@ except ImportError:  # 0.18 and later: strategies are torch_dist's, or objects t
 from . import _core
 from ._local import gtp_shard_factory, param_shard, to_state_dict
 from ._no_gather import no_gather
-from ._adapter import (_AS_BYTES, Load, as_bytes, bytes_entry, default_group, entry, exchange, open_checkpoint,
-                       recorded_dtypes, require_plain_bytes, stored_dtype, torch_dtype, write_dtypes)
+from ._adapter import (_AS_BYTES, Load, as_bytes, bytes_entry, collective, default_group, entry, exchange,
+                       open_checkpoint, recorded_dtypes, require_plain_bytes, stored_dtype, torch_dtype, write_dtypes)
 
 __all__ = ["BACKEND", "FILE_NAME", "OBJECTS_KEY", "VERSION", "LoadStrategy", "SaveStrategy", "gtp_shard_factory",
            "gtp_sharded_state_dict", "no_gather", "to_state_dict"]
@@ -168,10 +168,11 @@ def _writer_turn(key, offset, holders, rank):
     return (holders.index(rank) - first) % n, n
 
 
-def _plan_save(sharded_state_dict, group):
-    """This rank's StateDict of the library for a save of `sharded_state_dict`, and the bytes it
-    writes (collective: every rank's parts are exchanged once, and every rank's failure raised on
-    every rank)."""
+def _plan_save(sharded_state_dict, group, vote_last=True):
+    """This rank's StateDict of the library for a save of `sharded_state_dict`, the bytes it writes
+    and its failure in making it (collective: every rank's parts are exchanged once, every rank's
+    failure before that raised on every rank; with `vote_last`, a failure after it too, else it is
+    returned for the save's first exchange to carry)."""
     rank = 0 if group is None else group.rank()
     parts, objects, failure = [], [], None
     mine = {"t": [], "o": [], "bytes_as": {}}
@@ -254,8 +255,10 @@ def _plan_save(sharded_state_dict, group):
         state.add_common(FORMAT_KEY, VERSION)
     except Exception as e:  # noqa: BLE001 - voted on, as above
         failure = e
-    _exchange(group, None, failure)
-    return state, nbytes
+    if vote_last:
+        _exchange(group, None, failure)
+        failure = None
+    return state, nbytes, failure
 
 
 def _wait_for_commit(marker, parent):
@@ -331,9 +334,12 @@ class SaveStrategy(_SaveBase):
     def save(self, sharded_state_dict, checkpoint_dir):
         from . import save
         group = default_group(None)
-        state, _ = _plan_save(sharded_state_dict, group)
+        state, _, failure = _plan_save(sharded_state_dict, group, vote_last=False)
         # The file name is the backend's, not the user's: a link planted there is refused, not followed.
-        _collective(lambda: save(state, _path(checkpoint_dir), group, follow_links=False, **self._options))
+        # A refusal in the second half of planning rides in the save's first exchange.
+        _collective(lambda: collective(
+            lambda refused: save(state, _path(checkpoint_dir), group, follow_links=False, refused=refused, **self._options),
+            group, failure if failure is None else _as_checkpointing(failure), otherwise=CheckpointingException))
 
     def async_save(self, sharded_state_dict, checkpoint_dir, async_strategy="nvrx"):
         """Starts the save in the library's background thread and returns Megatron's AsyncRequest for
@@ -346,7 +352,7 @@ class SaveStrategy(_SaveBase):
         except (ModuleNotFoundError, TypeError) as e:
             raise CheckpointingException(f"shardckpt async save: {e}") from e
         group = default_group(None)
-        state, nbytes = _plan_save(sharded_state_dict, group)
+        state, nbytes, _ = _plan_save(sharded_state_dict, group)
         if self._saver is None:
             budget = self._async_host_bytes
             if budget is None:  # this rank's bytes (every rank makes its saver: collective)

@@ -331,7 +331,7 @@ def expect_raised(what, kind, words):
         if not all(w in str(e) for w in words):
             raise AssertionError(f"{type(e).__name__} without {words}: {e}") from e
         return
-    raise AssertionError(f"no {kind.__name__} ({words})")
+    raise AssertionError(f"no {getattr(kind, '__name__', kind)} ({words})")
 
 
 def case_bad(d):
@@ -362,6 +362,16 @@ def case_bad(d):
     sd = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2, 2).to(dtype), (0, RANK, WORLD))}
     expect_raised(lambda: dist_checkpointing.save(sd, path, sharded_strategy=BACKEND, validate_access_integrity=False),
                   CheckpointingException, ["rank 1", "float8_e4m3fn"] if RANK != 1 else ["float8_e4m3fn"])
+    # A ShardedObject that cannot be pickled, on rank 1 only: it fails in the second half of planning,
+    # which the save's first exchange carries: every rank fails within seconds, nothing is written.
+    path = fresh(d, "unpicklable")
+    sd = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2, 2), (0, RANK, WORLD)),
+          "o": ShardedObject("o", (lambda: 0) if RANK == 1 else 0, (WORLD,), (RANK,), replica_id=0)}
+    t0 = time.monotonic()
+    expect_raised(lambda: dist_checkpointing.save(sd, path, sharded_strategy=BACKEND, validate_access_integrity=False),
+                  (CheckpointingException, AttributeError, TypeError), ["rank 1"] if RANK != 1 else [])
+    if time.monotonic() - t0 > 30 or os.path.exists(os.path.join(path, scm.FILE_NAME)):
+        raise AssertionError(f"an unpicklable object on rank 1: {time.monotonic() - t0:.1f} s, or a file was written")
     # A good checkpoint, then loads that go wrong on one rank.
     path = fresh(d, "good")
     dist_checkpointing.save(model_state(lay), path, sharded_strategy=BACKEND)
