@@ -146,3 +146,25 @@ def check_example(test, name, expect, world=4):
         for rank, (rc, text) in enumerate(results):
             test.assertEqual(rc, 0, f"rank {rank}:\n{text}")
         test.assertIn(expect, results[0][1])
+
+
+def record_library_tensors(case):
+    """The tensors the adapter hands the library as load and save entries, for the rest of `case`'s
+    test (the adapter's _core wrapped, so that where each tensor lies can be checked)."""
+    from unittest import mock
+    from shardckpt import _adapter
+    real, given = _adapter._core, []
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def ShardedTensor(key, tensor, *rest):
+            given.append(tensor)
+            return real.ShardedTensor(key, tensor, *rest)
+
+    patch = mock.patch.object(_adapter, "_core", Recording())
+    patch.start()
+    case.addCleanup(patch.stop)
+    return given

@@ -10,6 +10,7 @@ import unittest
 import torch
 
 import shardckpt as sc
+from support import record_library_tensors
 
 
 @unittest.skipUnless(torch.cuda.is_available(), "torch has no CUDA device here")
@@ -48,27 +49,14 @@ class CudaTensors(unittest.TestCase):
         """The adapter's copy-back policy on a GPU: a contiguous CUDA target of the stored dtype (bool: its
         uint8 view) goes to the library itself, through its device path; any other through a temporary
         on the target's device. No tensor of the load is staged in host memory."""
-        from unittest import mock
-        from shardckpt import _adapter
-        real, given = _adapter._core, []
-
-        class Recording:
-            def __getattr__(self, name):
-                return getattr(real, name)
-
-            @staticmethod
-            def ShardedTensor(key, tensor, *rest):
-                given.append(tensor)
-                return real.ShardedTensor(key, tensor, *rest)
-
         saved = {"w": torch.arange(12.0).reshape(3, 4), "t": torch.arange(12.0).reshape(4, 3) + 50,
                  "wide": torch.arange(5.0) - 2, "mask": torch.tensor([False, True, True]), "step": torch.tensor(9)}
         sc.save_state_dict(saved, self.path)
         target = {"w": torch.zeros(3, 4, device="cuda"), "t": torch.zeros(3, 4, device="cuda").t(),
                   "wide": torch.zeros(5, dtype=torch.float64, device="cuda"),
                   "mask": torch.zeros(3, dtype=torch.bool, device="cuda"), "step": torch.tensor(0, device="cuda")}
-        with mock.patch.object(_adapter, "_core", Recording()):
-            sc.load_state_dict(target, self.path)
+        given = record_library_tensors(self)
+        sc.load_state_dict(target, self.path)
         self.assertEqual([t.device.type for t in given], ["cuda"] * len(saved))
         ptrs = {t.data_ptr() for t in given}
         for k in ("w", "mask", "step"):

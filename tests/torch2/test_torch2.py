@@ -10,7 +10,7 @@ import unittest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
-from support import GlooJobCase, check_example  # noqa: E402
+from support import GlooJobCase, check_example, record_library_tensors  # noqa: E402
 
 import shardckpt as sc  # noqa: E402
 
@@ -18,28 +18,6 @@ WORLD = 4
 WORKER = os.path.join(os.path.dirname(__file__), "worker.py")
 CASES = ["dtensor_save_state_dict", "dtensor_dcp", "dcp_async", "adam_plain", "adam_dtensor",
          "native_through_reader", "torch_sharded_tensor", "bad_input"]
-
-
-def record_library_tensors(case):
-    """The tensors the adapter hands the library as load and save entries, for the rest of `case`'s
-    test (the adapter's _core wrapped, so that where each tensor lies can be checked)."""
-    from unittest import mock
-    from shardckpt import _adapter
-    real, given = _adapter._core, []
-
-    class Recording:
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        @staticmethod
-        def ShardedTensor(key, tensor, *rest):
-            given.append(tensor)
-            return real.ShardedTensor(key, tensor, *rest)
-
-    patch = mock.patch.object(_adapter, "_core", Recording())
-    patch.start()
-    case.addCleanup(patch.stop)
-    return given
 
 
 class Torch2Job(GlooJobCase, unittest.TestCase):
