@@ -182,10 +182,34 @@ std::size_t byte_count(const py::int_& value, const char* what) {
   return static_cast<std::size_t>(n);
 }
 
+// An open checkpoint, as Python holds it: one reader (open_checkpoint: collective over a group, rank
+// 0 checking the seal; the ranks' readers hold one checkpoint), from which inspect's report and
+// every load through it come, so that a load's records, common values and tensors are one file's
+// whatever another save puts at the path meanwhile. close() lets the file go (loads through it then
+// refuse); the tensors a load mapped keep their pages either way.
+class PyCheckpoint {
+ public:
+  explicit PyCheckpoint(std::shared_ptr<const CheckpointReader> reader) : reader_(std::move(reader)) {}
+  const CheckpointReader& reader() const {
+    require(reader_ != nullptr, Errc::invalid_argument, "this checkpoint was closed");
+    return *reader_;
+  }
+  std::shared_ptr<const CheckpointReader> held() const {
+    reader();
+    return reader_;
+  }
+  void close() { reader_.reset(); }
+  bool closed() const { return reader_ == nullptr; }
+
+ private:
+  std::shared_ptr<const CheckpointReader> reader_;
+};
+
 }  // namespace
 }  // namespace shardckpt::python
 
 SHARDCKPT_CONSTRUCTED_ONLY(shardckpt::python::PyAsyncSave)
+SHARDCKPT_CONSTRUCTED_ONLY(shardckpt::python::PyCheckpoint)
 SHARDCKPT_CONSTRUCTED_ONLY(shardckpt::python::PySaver)
 
 namespace shardckpt::python {
@@ -339,29 +363,6 @@ py::dict loaded_dict(LoadedState& loaded, const PyStateDict& request) {
     if (t.scalar()) scalars.insert(t.key);
   return tensors_dict(loaded, scalars);
 }
-
-// An open checkpoint, as Python holds it: one reader (open_checkpoint: collective over a group, rank
-// 0 checking the seal; the ranks' readers hold one checkpoint), from which inspect's report and
-// every load through it come, so that a load's records, common values and tensors are one file's
-// whatever another save puts at the path meanwhile. close() lets the file go (loads through it then
-// refuse); the tensors a load mapped keep their pages either way.
-class PyCheckpoint {
- public:
-  explicit PyCheckpoint(std::shared_ptr<const CheckpointReader> reader) : reader_(std::move(reader)) {}
-  const CheckpointReader& reader() const {
-    require(reader_ != nullptr, Errc::invalid_argument, "this checkpoint was closed");
-    return *reader_;
-  }
-  std::shared_ptr<const CheckpointReader> held() const {
-    reader();
-    return reader_;
-  }
-  void close() { reader_.reset(); }
-  bool closed() const { return reader_ == nullptr; }
-
- private:
-  std::shared_ptr<const CheckpointReader> reader_;
-};
 
 void bind_checkpoint(py::module_& m) {
   py::class_<PyCheckpoint>(m, "Checkpoint")

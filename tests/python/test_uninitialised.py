@@ -24,6 +24,8 @@ param = lambda: sc.ShardedParam(spec, 1, 0, 0, 0, shard=torch.zeros(4, 8))
 ARGS = {
     ("Saver", "save"): lambda: (sc.StateDict(), path),
     ("Saver", "save_async"): lambda: (sc.StateDict(), path),
+    ("Checkpoint", "load_into"): lambda: (sc.StateDict(),),
+    ("Checkpoint", "load"): lambda: (sc.StateDict(),),
     ("ShardedParam", "optimizer_state"): lambda: ("exp_avg",),
     ("ShardedParam", "shard_of"): lambda: (torch.zeros(4, 8),),
     ("StateDict", "add"): lambda: (param(),),
@@ -45,7 +47,7 @@ def refused(what, f):
     raise AssertionError(f"{what}: ran on an object whose __init__ never ran")
 
 classes = [c for c in vars(_core).values() if isinstance(c, type) and not issubclass(c, BaseException)]
-assert len(classes) == 10, classes
+assert len(classes) == 11, classes
 for cls in classes:
     for name, attr in vars(cls).items():
         if name in SKIP or attr is None or isinstance(attr, (staticmethod, types.BuiltinFunctionType)):
@@ -84,6 +86,11 @@ try:
 except sc.Error as e:
     assert e.code == "collective", e
     print("refused save(group=TorchGroup.__new__):", e)
+# The package's Checkpoint over a Checkpoint.__new__ of the binding's.
+ckpt = sc.Checkpoint(new(_core.Checkpoint))
+for name, args in (("inspect", ()), ("load_into", (sc.StateDict(),)), ("load", (sc.StateDict(),)), ("close", ())):
+    refused(f"sc.Checkpoint.{name}", lambda: getattr(ckpt, name)(*args))
+refused("sc.Checkpoint.checkpoint_id", lambda: ckpt.checkpoint_id)
 print("all refused")
 """
 
@@ -95,7 +102,7 @@ class Uninitialised(unittest.TestCase):
             self.assertEqual(p.returncode, 0, f"exit status {p.returncode}:\n{p.stdout}\n{p.stderr}")
         self.assertIn("all refused", p.stdout)
         refused = p.stdout.count("refused ")
-        self.assertGreaterEqual(refused, 60, p.stdout)  # every method and property of the 10 classes
+        self.assertGreaterEqual(refused, 60, p.stdout)  # every method and property of the 11 classes
 
 
 if __name__ == "__main__":
