@@ -20,6 +20,26 @@ CASES = ["dtensor_save_state_dict", "dtensor_dcp", "dcp_async", "adam_plain", "a
          "native_through_reader", "torch_sharded_tensor", "bad_input"]
 
 
+def reader_round_trip(case, device):
+    """(saved, targets, given): a state saved through the DCP Writer and loaded through the Reader into
+    targets on `device` (contiguous ones of the stored dtype, bool included; a transposed one; one of
+    another dtype), and the tensors the adapter handed the library for that load."""
+    import torch.distributed.checkpoint as dcp
+    from shardckpt.dcp import Reader, Writer
+    saved = {"w": torch.arange(12.0).reshape(3, 4), "t": torch.arange(12.0).reshape(4, 3) + 50,
+             "wide": torch.arange(5.0) - 2, "mask": torch.tensor([False, True, True]), "step": torch.tensor(9)}
+    target = {"w": torch.zeros(3, 4, device=device), "t": torch.zeros(3, 4, device=device).t(),
+              "wide": torch.zeros(5, dtype=torch.float64, device=device),
+              "mask": torch.zeros(3, dtype=torch.bool, device=device), "step": torch.tensor(0, device=device)}
+    given = record_library_tensors(case)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "p.h5")
+        dcp.save(saved, storage_writer=Writer(path))
+        given.clear()
+        dcp.load(target, storage_reader=Reader(path))
+    return saved, target, given
+
+
 class Torch2Job(GlooJobCase, unittest.TestCase):
     WORLD, WORKER, CASES = WORLD, WORKER, CASES
 
@@ -164,18 +184,7 @@ class OneProcess(unittest.TestCase):
             self.assertEqual({k: v.dtype for k, v in loaded.items()}, {k: v.dtype for k, v in state.items()})
 
     def test_reader_fills_contiguous_targets_in_place_and_others_through_temporaries(self):
-        import torch.distributed.checkpoint as dcp
-        from shardckpt.dcp import Reader, Writer
-        saved = {"w": torch.arange(12.0).reshape(3, 4), "t": torch.arange(12.0).reshape(4, 3) + 50,
-                 "wide": torch.arange(5.0) - 2, "mask": torch.tensor([False, True, True]), "step": torch.tensor(9)}
-        target = {"w": torch.zeros(3, 4), "t": torch.zeros(3, 4).t(), "wide": torch.zeros(5, dtype=torch.float64),
-                  "mask": torch.zeros(3, dtype=torch.bool), "step": torch.tensor(0)}
-        given = record_library_tensors(self)
-        with tempfile.TemporaryDirectory() as d:
-            path = os.path.join(d, "p.h5")
-            dcp.save(saved, storage_writer=Writer(path))
-            given.clear()
-            dcp.load(target, storage_reader=Reader(path))
+        saved, target, given = reader_round_trip(self, "cpu")
         for k, v in saved.items():
             self.assertTrue(torch.equal(target[k], v.to(target[k].dtype)), k)
         self.assertEqual(target["wide"].dtype, torch.float64)
@@ -214,19 +223,7 @@ class CudaOneProcess(unittest.TestCase):
     def test_reader_fills_cuda_targets_on_their_device(self):
         """The Reader hands the library CUDA memory only: a contiguous target of the stored dtype itself
         (the library's device path), any other through a temporary on the target's device."""
-        import torch.distributed.checkpoint as dcp
-        from shardckpt.dcp import Reader, Writer
-        saved = {"w": torch.arange(12.0).reshape(3, 4), "t": torch.arange(12.0).reshape(4, 3) + 50,
-                 "wide": torch.arange(5.0) - 2, "mask": torch.tensor([False, True, True]), "step": torch.tensor(9)}
-        target = {"w": torch.zeros(3, 4, device="cuda"), "t": torch.zeros(3, 4, device="cuda").t(),
-                  "wide": torch.zeros(5, dtype=torch.float64, device="cuda"),
-                  "mask": torch.zeros(3, dtype=torch.bool, device="cuda"), "step": torch.tensor(0, device="cuda")}
-        given = record_library_tensors(self)
-        with tempfile.TemporaryDirectory() as d:
-            path = os.path.join(d, "c.h5")
-            dcp.save(saved, storage_writer=Writer(path))
-            given.clear()
-            dcp.load(target, storage_reader=Reader(path))
+        saved, target, given = reader_round_trip(self, "cuda")
         self.assertEqual([t.device.type for t in given], ["cuda"] * len(saved))
         ptrs = {t.data_ptr() for t in given}
         for k in ("w", "mask", "step"):
