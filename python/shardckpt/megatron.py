@@ -491,8 +491,8 @@ class LoadStrategy(_LoadBase):
             path, datasets, checkpoint_id = checkpoint.path, checkpoint.datasets, checkpoint.checkpoint_id
             if common_from is not None and common_from != checkpoint_id:
                 raise CheckpointingException(
-                    f"{path} holds checkpoint {checkpoint_id}, not {common_from} whose common state was loaded: "
-                    "another save replaced it during the load (load again); nothing was loaded")
+                    f"{path} holds checkpoint {checkpoint_id}, not {common_from} whose common state was loaded: it "
+                    "was replaced since it was opened (another save; load again); nothing was loaded")
             by_unique_key = {k: name for name, k in objects.items()}
             tensors, sharded_objects = _sharded(sharded_state_dict)
             for sh in tensors:
@@ -513,8 +513,8 @@ class LoadStrategy(_LoadBase):
                 checkpoint.close()
             other = next(r for r, i in enumerate(ids) if i != ids[0])
             raise CheckpointingException(f"{path}: the ranks opened different checkpoints (rank 0 checkpoint {ids[0]}, "
-                                         f"rank {other} checkpoint {ids[other]}): another save replaced the file "
-                                         "during the load (load again); nothing was loaded")
+                                         f"rank {other} checkpoint {ids[other]}): the file was replaced since it "
+                                         "was opened (another save; load again); nothing was loaded")
         failure, loaded = None, {}
         try:
             # Each rank reads its parts from the file it opened, the one every rank agreed on.

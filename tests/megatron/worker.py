@@ -616,7 +616,7 @@ def case_async(d):
                     try:
                         seen = loaded_version(path)
                         break
-                    except CheckpointingException as e:
+                    except CheckpointingException as e:  # the common state's file, or another rank's, was older
                         if "replaced since it was opened" not in str(e):
                             raise
                 else:
