@@ -40,30 +40,44 @@ using hdf5::Hid;
 using hdf5::owned;
 using hdf5::Where;
 
-Hid create_dataset(hid_t file, const Dataset& d, const Where& w) {
+// The creation properties of a contiguous dataset, allocated at creation and never filled: every byte
+// has a fixed file address before any rank writes, and HDF5 spends no time writing fill values that
+// pieces overwrite. One list serves every contiguous dataset of a skeleton (HDF5 copies it into each).
+Hid contiguous_creation(const Where& w) {
   Hid dcpl = owned(H5Pcreate(H5P_DATASET_CREATE), H5Pclose, w);
-  if (d.external) {
-    require(io::plain_name(d.external->file), Errc::invalid_argument, "dataset ", d.key, ": external file '",
-            d.external->file, "' is not a plain file name");
-    const auto bytes = static_cast<hsize_t>(element_count(d.shape)) * dtype_size(d.dtype);
-    check(H5Pset_external(dcpl.get(), d.external->file.c_str(), static_cast<off_t>(d.external->offset), bytes), w);
-  } else if (d.chunk.empty()) {
-    check(H5Pset_layout(dcpl.get(), H5D_CONTIGUOUS), w);
-  } else {
-    const std::vector<hsize_t> chunk(d.chunk.begin(), d.chunk.end());
-    check(H5Pset_chunk(dcpl.get(), static_cast<int>(chunk.size()), chunk.data()), w);
-  }
-  // Allocated now and never filled: every byte has a fixed file address before any rank writes,
-  // and HDF5 spends no time writing fill values that pieces overwrite.
-  if (!d.external) check(H5Pset_alloc_time(dcpl.get(), H5D_ALLOC_TIME_EARLY), w);
+  check(H5Pset_layout(dcpl.get(), H5D_CONTIGUOUS), w);
+  check(H5Pset_alloc_time(dcpl.get(), H5D_ALLOC_TIME_EARLY), w);
   check(H5Pset_fill_time(dcpl.get(), H5D_FILL_TIME_NEVER), w);
+  return dcpl;
+}
+
+bool contiguous(const Dataset& d) { return !d.external && d.chunk.empty(); }
+
+// `contiguous_dcpl`: contiguous_creation's list, used for a contiguous dataset.
+Hid create_dataset(hid_t file, const Dataset& d, hid_t contiguous_dcpl, const Where& w) {
+  Hid own;
+  if (!contiguous(d)) {
+    own = owned(H5Pcreate(H5P_DATASET_CREATE), H5Pclose, w);
+    if (d.external) {
+      require(io::plain_name(d.external->file), Errc::invalid_argument, "dataset ", d.key, ": external file '",
+              d.external->file, "' is not a plain file name");
+      const auto bytes = static_cast<hsize_t>(element_count(d.shape)) * dtype_size(d.dtype);
+      check(H5Pset_external(own.get(), d.external->file.c_str(), static_cast<off_t>(d.external->offset), bytes), w);
+    } else {
+      const std::vector<hsize_t> chunk(d.chunk.begin(), d.chunk.end());
+      check(H5Pset_chunk(own.get(), static_cast<int>(chunk.size()), chunk.data()), w);
+      check(H5Pset_alloc_time(own.get(), H5D_ALLOC_TIME_EARLY), w);
+    }
+    check(H5Pset_fill_time(own.get(), H5D_FILL_TIME_NEVER), w);
+  }
   const std::vector<hsize_t> dims(d.shape.begin(), d.shape.end());
   // A scalar (shape []) has a scalar dataspace: h5py reads it as shape ().
   Hid space = owned(dims.empty() ? H5Screate(H5S_SCALAR)
                                  : H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr),
                     H5Sclose, w);
   Hid type = hdf5::type_of(d.dtype);
-  return owned(H5Dcreate2(file, d.key.c_str(), type.get(), space.get(), H5P_DEFAULT, dcpl.get(), H5P_DEFAULT),
+  return owned(H5Dcreate2(file, d.key.c_str(), type.get(), space.get(), H5P_DEFAULT,
+                          own ? own.get() : contiguous_dcpl, H5P_DEFAULT),
                H5Dclose, w);
 }
 
@@ -93,9 +107,9 @@ void write_metadata(hid_t file, const CheckpointContents& contents, const Where&
 }
 
 // The checksum table, allocated now so that its address is known; its bytes join the data ranges.
-void create_checksum_table(hid_t file, std::int64_t checksum_rows, Skeleton& out, const Where& w) {
+void create_checksum_table(hid_t file, std::int64_t checksum_rows, hid_t dcpl, Skeleton& out, const Where& w) {
   const Dataset table{checksums_set, DType::u64, {checksum_rows}};
-  Hid set = create_dataset(file, table, w);
+  Hid set = create_dataset(file, table, dcpl, w);
   if (checksum_rows > 0) {
     const haddr_t addr = H5Dget_offset(set.get());
     require(addr != HADDR_UNDEF, Errc::hdf5, "HDF5 did not allocate the checksum table of ", w.file.string());
@@ -126,13 +140,24 @@ void write_dataset_attrs(hid_t set, hid_t slabs, const Dataset& d, const Where& 
 }
 
 // One tensor dataset, allocated: its raw regions and their byte ranges join the skeleton.
-void create_tensor_dataset(hid_t file, hid_t slabs, const Dataset& d, Skeleton& out, const Where& w) {
+void create_tensor_dataset(hid_t file, hid_t slabs, hid_t dcpl, const Dataset& d, Skeleton& out, const Where& w) {
   require_key(d.key);
-  Hid set = create_dataset(file, d, w);
+  Hid set = create_dataset(file, d, dcpl, w);
   write_dataset_attrs(set.get(), slabs, d, w);
-  Hid type = hdf5::type_of(d.dtype);
   Dataset made{d.key, d.dtype, d.shape, d.placement};
-  made.regions = raw_regions_of(set.get(), type.get(), d.shape, d.dtype, w);
+  if (contiguous(d)) {
+    // Made here, of type_of(dtype) (stored exactly) and allocated at creation: one region, at the
+    // address HDF5 gave it (none without elements).
+    const Box whole = whole_box(d.shape);
+    if (!whole.empty()) {
+      const haddr_t addr = H5Dget_offset(set.get());
+      require(addr != HADDR_UNDEF, Errc::hdf5, "HDF5 did not allocate dataset ", d.key, " of ", w.file.string());
+      made.regions = {{whole, addr}};
+    }
+  } else {
+    Hid type = hdf5::type_of(d.dtype);
+    made.regions = raw_regions_of(set.get(), type.get(), d.shape, d.dtype, w);
+  }
   for (const RawRegion& e : made.regions) {
     const auto begin = static_cast<std::int64_t>(e.address);
     out.data.push_back({begin, begin + region_elements(e) * element_bytes(d.dtype)});
@@ -206,12 +231,14 @@ Skeleton create_skeleton(io::File& f, std::span<const Dataset> datasets, const C
   {
     Hid file = hdf5::create_file(channel, metadata_estimate(datasets, contents));
     write_metadata(file.get(), contents, w);
-    if (contents.checksummed) create_checksum_table(file.get(), checksum_rows, out, w);
+    const Hid dcpl = contiguous_creation(w);
+    if (contents.checksummed) create_checksum_table(file.get(), checksum_rows, dcpl.get(), out, w);
     Hid slabs = contents.checksummed ? hdf5::create_group(file.get(), slabs_group, w) : Hid();
     out.datasets.reserve(datasets.size());
     for (std::size_t i : order) {
       const Dataset& d = datasets[i];
-      create_tensor_dataset(file.get(), slabs ? slabs.get() : hid_t{-1}, d, out, {partial, d.key, "create the dataset"});
+      create_tensor_dataset(file.get(), slabs ? slabs.get() : hid_t{-1}, dcpl.get(), d, out,
+                            {partial, d.key, "create the dataset"});
     }
     if (slabs) slabs.close(w);
     hdf5::close_written(file, channel, "create the checkpoint");
@@ -372,10 +399,10 @@ struct PieceWriter::Impl {
   std::int64_t hashes_written = 0;    // checksums of this writer already in the table
   BytesDone progress;
   bool sync_at_finish = true;  // false: the seal syncs the file (CheckpointWriter::pieces)
-  // With checksums, each batch is copied here first, hashed here and written from here: the
-  // checksums then describe the very bytes in the file, whatever the caller does to its memory
-  // meanwhile (a second read of the caller's rows could see other bytes than the first).
+  // Rows that lie in a mapping of a file are copied here first (io::copy_guarded) and written from
+  // here: a file cut short under the mapping is then Errc::replaced naming it, not SIGBUS.
   std::vector<std::byte> bounce;
+  std::vector<std::uint64_t> batch_hashes;  // the checksums of the batch being written
 
   // The checksums computed so far go to their place in the table: a writer holds at most
   // hash_batch of them, whatever the number of rows it writes.
@@ -406,26 +433,40 @@ void PieceWriter::write(const Dataset& d, const Box& box, TensorView src) {
   const std::int64_t row_bytes = box.cols.size() * element_bytes(d.dtype);
   const auto* bytes = static_cast<const std::byte*>(static_cast<const void*>(src.data()));
   const std::int64_t step = batch_rows(row_bytes);
+  const auto row_n = static_cast<std::size_t>(row_bytes);
   for (std::int64_t r0 = box.rows.begin; r0 < box.rows.end; r0 += step) {
     const Box batch{{r0, std::min(r0 + step, box.rows.end)}, box.cols};
     const std::byte* p = bytes + (r0 - box.rows.begin) * row_bytes;
-    // Each row's checksum is taken from the bounce copy that then goes out, while it is in cache.
-    // Rows that lie in a mapping of a file (a tensor a load mapped, as reshard writes them) go
-    // through the bounce copy too, checksums or not: the copy is guarded (io::copy_guarded), so a
-    // file cut short under the mapping is Errc::replaced naming it, not SIGBUS.
-    const auto n = static_cast<std::size_t>(batch.rows.size() * row_bytes);
-    if (m.checksums || io::in_mapping(p, n)) {
+    const auto rows = static_cast<std::size_t>(batch.rows.size());
+    const auto n = rows * row_n;
+    // Rows that lie in a mapping of a file (a tensor a load mapped, as reshard writes them) are
+    // written from a guarded copy (Impl::bounce).
+    const bool copied = io::in_mapping(p, n);
+    if (copied) {
       if (m.bounce.size() < n) m.bounce.resize(n);
       io::copy_guarded(m.bounce.data(), p, n);
       p = m.bounce.data();
     }
+    // Each row's checksum is taken before the batch is written and, for rows in the caller's memory,
+    // again after: a row that changed meanwhile (another thread of the caller writing the tensor)
+    // fails the save, so that the checksums describe the bytes in the file. Hashing the rows twice
+    // costs less than copying them once (the batch is still in cache).
     if (m.checksums) {
-      for (std::int64_t r = 0; r < batch.rows.size(); ++r) {
-        m.hashes.push_back(row_hash(p + r * row_bytes, static_cast<std::size_t>(row_bytes)));
+      m.batch_hashes.resize(rows);
+      for (std::size_t r = 0; r < rows; ++r) m.batch_hashes[r] = row_hash(p + r * row_n, row_n);
+    }
+    m.sink->write(d, batch, p, row_bytes);
+    if (m.checksums) {
+      for (std::size_t r = 0; r < rows; ++r) {
+        if (!copied && row_hash(p + r * row_n, row_n) != m.batch_hashes[r])
+          throw Error(Errc::shard_changed,
+                      cat("key ", d.key, ": row ", r0 + static_cast<std::int64_t>(r), " (of rows [", box.rows.begin, ", ",
+                          box.rows.end, ")) changed while the save wrote it into ", m.file.path().string(),
+                          ": another thread wrote the tensor during the save; nothing is committed"));
+        m.hashes.push_back(m.batch_hashes[r]);
         if (m.hashes.size() == Impl::hash_batch) m.flush_hashes();
       }
     }
-    m.sink->write(d, batch, p, row_bytes);
     if (m.progress) m.progress(batch.rows.size() * row_bytes);
   }
 }

@@ -1,5 +1,5 @@
-// What a save promises whatever its caller and its process group do: the checksums describe the
-// bytes in the file while another thread changes the shard; ranks that name different paths all
+// What a save promises whatever its caller and its process group do: a row another thread changes
+// while it is written fails the save, and no checksum lies about the file; ranks that name different paths all
 // fail; a group that delivers other bytes than were sent commits nothing; a peer that fails after
 // the commit leaves a complete checkpoint and an error that says so; a flat range that holds
 // nothing of its parameter is a tiling error, not a missing key; names HDF5 would cut are refused;
@@ -29,21 +29,39 @@ void while_changing(SharedBuffer& b, Fn&& fn) {
   writer.join();
 }
 
-TEST(Checksums, DescribeTheFileWhileAnotherThreadChangesTheShard) {
+// Another thread writes the shard while it is saved (a data race of the caller's, which the library
+// must not turn into a file whose checksums lie): each row is hashed before and after its write, so
+// the save fails with Errc::shard_changed naming the key and the row and commits nothing, or commits
+// a file whose checksums describe its bytes. A checksum taken once, of bytes read again for the
+// write, gives committed files that fail verification; a copy the checksums describe commits torn
+// tensors without a word.
+TEST(Checksums, ARowChangedWhileItIsWrittenFailsTheSaveAndNothingLies) {
   ScratchDir dir;
   const auto path = dir / "c.h5";
   for (const IoMethod method : {IoMethod::raw, IoMethod::hyperslab}) {
     SharedBuffer b = SharedBuffer::zeros(DType::f32, {4096, 512});  // 8 MiB: the writer changes it all along
     StateDict s;
     s.add(ShardedTensor::of("w", b, {4096, 512}, {0, 0}));
+    SaveOptions o;
+    o.method = method;
+    save(s, path, o);  // the earlier checkpoint, before any change
+    int refused = 0;
     for (int round = 0; round < 3; ++round) {
-      SaveOptions o;
-      o.method = method;
-      while_changing(b, [&] { save(s, path, o); });
+      const std::string before = CheckpointReader(path).contents().id;
+      try {
+        while_changing(b, [&] { save(s, path, o); });
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), Errc::shard_changed) << e.what();
+        EXPECT_NE(std::string(e.what()).find("key w: row "), std::string::npos) << e.what();
+        EXPECT_EQ(CheckpointReader(path).contents().id, before) << "a failed save replaced the checkpoint";
+        ++refused;
+      }
       const VerifyReport v = verify_checkpoint(CheckpointReader(path));
       EXPECT_EQ(v.mismatches, 0) << "round " << round;
       EXPECT_EQ(v.checksum_rows, 4096) << "round " << round;
+      EXPECT_TRUE(testing_support::temporary_files(dir.path()).empty());
     }
+    EXPECT_GT(refused, 0) << "no save saw a row change under it";
   }
 }
 

@@ -119,6 +119,46 @@ class ChangedMemory(unittest.TestCase):
             """)
             self.assertIn("whole", out)
 
+    def test_a_tensor_written_by_another_thread_during_a_save_fails_it_or_is_saved_whole(self):
+        # Another thread of the caller adds to the tensor while the save writes it (the save holds no
+        # GIL). Every row's checksum is taken before and after its write: a save that saw a row change
+        # fails with shard_changed naming the key and the row, and commits nothing; a save that
+        # commits holds checksums of the very bytes in its file. With a checksum taken once, of bytes
+        # read again for the write (or saved from a copy the checksums describe), no save would fail.
+        out = self.run_case("""
+            import threading
+            t = torch.zeros(2048, 4096)  # 32 MiB
+            s = state_of(t)
+            sc.save(s, path)
+            stop = threading.Event()
+            def mutate():
+                while not stop.is_set():
+                    t.add_(1.0)
+            mutator = threading.Thread(target=mutate)
+            mutator.start()
+            failed = committed = 0
+            try:
+                for _ in range(8):
+                    before = os.stat(path).st_ino
+                    try:
+                        sc.save(s, path)
+                        committed += 1
+                    except sc.Error as e:
+                        assert e.code == "shard_changed", (e.code, str(e))
+                        assert "key big: row " in str(e) and "changed while the save wrote it" in str(e), str(e)
+                        assert os.stat(path).st_ino == before, "a failed save replaced the checkpoint"
+                        failed += 1
+                    report = sc.verify(path)
+                    assert report["mismatches"] == 0, report
+            finally:
+                stop.set()
+                mutator.join()
+            assert not [n for n in os.listdir(os.path.dirname(path)) if n.endswith(".partial")], "a temporary file stayed"
+            print("failed", failed, "committed", committed, flush=True)
+            assert failed > 0, "no save saw the tensor change under it"
+        """)
+        self.assertIn("failed ", out)
+
 
 if __name__ == "__main__":
     unittest.main()
