@@ -101,6 +101,7 @@ struct Options {
   int read_repeat = 7;  // rounds of reads
   bool verify = true;
   bool keep = false;
+  bool seed_geometry = true;    // the last phase (--no-seed-geometry skips it: the sanitized smoke test)
   std::optional<bool> h5py;
   std::string python = "/usr/bin/python3";
   std::string script;

@@ -26,6 +26,7 @@ void add_flags(CLI::App& app, Options& o, bool& h5py_on, bool& h5py_off, bool& n
   app.add_option("--read-repeat", o.read_repeat, "rounds of reads")->capture_default_str()->check(CLI::Range(1, 1000));
   app.add_flag("--no-verify", no_verify, "skip checking the loaded values against the pattern (untimed)");
   app.add_flag("--keep", o.keep, "keep the files");
+  app.add_flag("!--no-seed-geometry", o.seed_geometry, "skip the last phase, the seed's geometry at 512 thread ranks");
   app.add_flag("--h5py", h5py_on, "run the h5py comparison (default: when the python has h5py)");
   app.add_flag("--no-h5py", h5py_off, "skip the h5py comparison");
   app.add_option("--python", o.python, "python with h5py")->capture_default_str();
@@ -126,8 +127,10 @@ int run(const Options& o) {
   measure_async_bounded(o, run.dir, run.cache, run.meter, report);
   run.progress("planning at the seed's scale");
   measure_planning(report);
-  run.progress("the seed's geometry with narrow rows at 512 thread ranks");
-  measure_seed_geometry(run.dir, report);
+  if (o.seed_geometry) {
+    run.progress("the seed's geometry with narrow rows at 512 thread ranks");
+    measure_seed_geometry(run.dir, report);
+  }
   const json j = report.to_json();
   if (o.json_out) {
     std::cout << j.dump() << "\n";
