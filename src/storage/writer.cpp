@@ -402,7 +402,7 @@ struct PieceWriter::Impl {
   // Rows that lie in a mapping of a file are copied here first (io::copy_guarded) and written from
   // here: a file cut short under the mapping is then Errc::replaced naming it, not SIGBUS.
   std::vector<std::byte> bounce;
-  std::vector<std::uint64_t> batch_hashes;  // the checksums of the batch being written
+  std::vector<std::uint64_t> batch_hashes;  // the checksums of the batch being written (hash_batch at most)
 
   // The checksums computed so far go to their place in the table: a writer holds at most
   // hash_batch of them, whatever the number of rows it writes.
@@ -432,7 +432,10 @@ void PieceWriter::write(const Dataset& d, const Box& box, TensorView src) {
   if (box.empty()) return;
   const std::int64_t row_bytes = box.cols.size() * element_bytes(d.dtype);
   const auto* bytes = static_cast<const std::byte*>(static_cast<const void*>(src.data()));
-  const std::int64_t step = batch_rows(row_bytes);
+  // With checksums a batch is at most hash_batch rows, so that its checksums (Impl::batch_hashes)
+  // take at most 64 KiB whatever the rows' width (a 1-D tensor's rows are single elements).
+  const std::int64_t step = m.checksums ? std::min<std::int64_t>(batch_rows(row_bytes), Impl::hash_batch)
+                                        : batch_rows(row_bytes);
   const auto row_n = static_cast<std::size_t>(row_bytes);
   for (std::int64_t r0 = box.rows.begin; r0 < box.rows.end; r0 += step) {
     const Box batch{{r0, std::min(r0 + step, box.rows.end)}, box.cols};
