@@ -37,7 +37,8 @@ enum class Errc : std::uint8_t {
   collective,                 // another rank failed, or the process group broke
   device,                     // a device or its runtime failed, or there is none (CUDA)
   resources,                  // not enough memory, file descriptors or threads for what was asked
-  shard_changed,              // a shard changed while a save read it (a row hashed before and after its write, check_unchanged)
+  shard_changed,              // a shard changed while a save read it (check_unchanged, or a row's hash
+                              // before its write differs from the one after)
   internal,                   // anything else, carried across ranks as text
   committed_peer_failed,      // the save committed its checkpoint, then a peer failed (the file is complete)
 };

@@ -72,9 +72,9 @@ class [[nodiscard]] PiecesWritten {
 // or pwrite read the caller's rows (rows in a mapping of a file excepted: they are copied first,
 // guarded). Each row is hashed before it is written and again after: a row that changed meanwhile
 // (another thread writing the caller's tensor) is Errc::shard_changed naming the key, the row and
-// the file, so that the checksums describe the bytes in the file. The checksums of its rows fill the table from the slot's first
-// unit on, in write order, which must be the order the skeleton's slabs were planned in. No slot:
-// the checkpoint has no checksums.
+// the file, so that the checksums describe the bytes in the file. The checksums of its rows fill
+// the table from the slot's first unit on, in write order, which must be the order the skeleton's
+// slabs were planned in. No slot: the checkpoint has no checksums.
 class PieceWriter {
  public:
   // Writes into `file` (a skeleton, opened for writing), which must outlive the writer.

@@ -40,44 +40,30 @@ using hdf5::Hid;
 using hdf5::owned;
 using hdf5::Where;
 
-// The creation properties of a contiguous dataset, allocated at creation and never filled: every byte
-// has a fixed file address before any rank writes, and HDF5 spends no time writing fill values that
-// pieces overwrite. One list serves every contiguous dataset of a skeleton (HDF5 copies it into each).
-Hid contiguous_creation(const Where& w) {
+Hid create_dataset(hid_t file, const Dataset& d, const Where& w) {
   Hid dcpl = owned(H5Pcreate(H5P_DATASET_CREATE), H5Pclose, w);
-  check(H5Pset_layout(dcpl.get(), H5D_CONTIGUOUS), w);
-  check(H5Pset_alloc_time(dcpl.get(), H5D_ALLOC_TIME_EARLY), w);
-  check(H5Pset_fill_time(dcpl.get(), H5D_FILL_TIME_NEVER), w);
-  return dcpl;
-}
-
-bool contiguous(const Dataset& d) { return !d.external && d.chunk.empty(); }
-
-// `contiguous_dcpl`: contiguous_creation's list, used for a contiguous dataset.
-Hid create_dataset(hid_t file, const Dataset& d, hid_t contiguous_dcpl, const Where& w) {
-  Hid own;
-  if (!contiguous(d)) {
-    own = owned(H5Pcreate(H5P_DATASET_CREATE), H5Pclose, w);
-    if (d.external) {
-      require(io::plain_name(d.external->file), Errc::invalid_argument, "dataset ", d.key, ": external file '",
-              d.external->file, "' is not a plain file name");
-      const auto bytes = static_cast<hsize_t>(element_count(d.shape)) * dtype_size(d.dtype);
-      check(H5Pset_external(own.get(), d.external->file.c_str(), static_cast<off_t>(d.external->offset), bytes), w);
-    } else {
-      const std::vector<hsize_t> chunk(d.chunk.begin(), d.chunk.end());
-      check(H5Pset_chunk(own.get(), static_cast<int>(chunk.size()), chunk.data()), w);
-      check(H5Pset_alloc_time(own.get(), H5D_ALLOC_TIME_EARLY), w);
-    }
-    check(H5Pset_fill_time(own.get(), H5D_FILL_TIME_NEVER), w);
+  if (d.external) {
+    require(io::plain_name(d.external->file), Errc::invalid_argument, "dataset ", d.key, ": external file '",
+            d.external->file, "' is not a plain file name");
+    const auto bytes = static_cast<hsize_t>(element_count(d.shape)) * dtype_size(d.dtype);
+    check(H5Pset_external(dcpl.get(), d.external->file.c_str(), static_cast<off_t>(d.external->offset), bytes), w);
+  } else if (d.chunk.empty()) {
+    check(H5Pset_layout(dcpl.get(), H5D_CONTIGUOUS), w);
+  } else {
+    const std::vector<hsize_t> chunk(d.chunk.begin(), d.chunk.end());
+    check(H5Pset_chunk(dcpl.get(), static_cast<int>(chunk.size()), chunk.data()), w);
   }
+  // Allocated now and never filled: every byte has a fixed file address before any rank writes,
+  // and HDF5 spends no time writing fill values that pieces overwrite.
+  if (!d.external) check(H5Pset_alloc_time(dcpl.get(), H5D_ALLOC_TIME_EARLY), w);
+  check(H5Pset_fill_time(dcpl.get(), H5D_FILL_TIME_NEVER), w);
   const std::vector<hsize_t> dims(d.shape.begin(), d.shape.end());
   // A scalar (shape []) has a scalar dataspace: h5py reads it as shape ().
   Hid space = owned(dims.empty() ? H5Screate(H5S_SCALAR)
                                  : H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr),
                     H5Sclose, w);
   Hid type = hdf5::type_of(d.dtype);
-  return owned(H5Dcreate2(file, d.key.c_str(), type.get(), space.get(), H5P_DEFAULT,
-                          own ? own.get() : contiguous_dcpl, H5P_DEFAULT),
+  return owned(H5Dcreate2(file, d.key.c_str(), type.get(), space.get(), H5P_DEFAULT, dcpl.get(), H5P_DEFAULT),
                H5Dclose, w);
 }
 
@@ -107,9 +93,9 @@ void write_metadata(hid_t file, const CheckpointContents& contents, const Where&
 }
 
 // The checksum table, allocated now so that its address is known; its bytes join the data ranges.
-void create_checksum_table(hid_t file, std::int64_t checksum_rows, hid_t dcpl, Skeleton& out, const Where& w) {
+void create_checksum_table(hid_t file, std::int64_t checksum_rows, Skeleton& out, const Where& w) {
   const Dataset table{checksums_set, DType::u64, {checksum_rows}};
-  Hid set = create_dataset(file, table, dcpl, w);
+  Hid set = create_dataset(file, table, w);
   if (checksum_rows > 0) {
     const haddr_t addr = H5Dget_offset(set.get());
     require(addr != HADDR_UNDEF, Errc::hdf5, "HDF5 did not allocate the checksum table of ", w.file.string());
@@ -140,24 +126,13 @@ void write_dataset_attrs(hid_t set, hid_t slabs, const Dataset& d, const Where& 
 }
 
 // One tensor dataset, allocated: its raw regions and their byte ranges join the skeleton.
-void create_tensor_dataset(hid_t file, hid_t slabs, hid_t dcpl, const Dataset& d, Skeleton& out, const Where& w) {
+void create_tensor_dataset(hid_t file, hid_t slabs, const Dataset& d, Skeleton& out, const Where& w) {
   require_key(d.key);
-  Hid set = create_dataset(file, d, dcpl, w);
+  Hid set = create_dataset(file, d, w);
   write_dataset_attrs(set.get(), slabs, d, w);
+  Hid type = hdf5::type_of(d.dtype);
   Dataset made{d.key, d.dtype, d.shape, d.placement};
-  if (contiguous(d)) {
-    // Made here, of type_of(dtype) (stored exactly) and allocated at creation: one region, at the
-    // address HDF5 gave it (none without elements).
-    const Box whole = whole_box(d.shape);
-    if (!whole.empty()) {
-      const haddr_t addr = H5Dget_offset(set.get());
-      require(addr != HADDR_UNDEF, Errc::hdf5, "HDF5 did not allocate dataset ", d.key, " of ", w.file.string());
-      made.regions = {{whole, addr}};
-    }
-  } else {
-    Hid type = hdf5::type_of(d.dtype);
-    made.regions = raw_regions_of(set.get(), type.get(), d.shape, d.dtype, w);
-  }
+  made.regions = raw_regions_of(set.get(), type.get(), d.shape, d.dtype, w);
   for (const RawRegion& e : made.regions) {
     const auto begin = static_cast<std::int64_t>(e.address);
     out.data.push_back({begin, begin + region_elements(e) * element_bytes(d.dtype)});
@@ -231,14 +206,12 @@ Skeleton create_skeleton(io::File& f, std::span<const Dataset> datasets, const C
   {
     Hid file = hdf5::create_file(channel, metadata_estimate(datasets, contents));
     write_metadata(file.get(), contents, w);
-    const Hid dcpl = contiguous_creation(w);
-    if (contents.checksummed) create_checksum_table(file.get(), checksum_rows, dcpl.get(), out, w);
+    if (contents.checksummed) create_checksum_table(file.get(), checksum_rows, out, w);
     Hid slabs = contents.checksummed ? hdf5::create_group(file.get(), slabs_group, w) : Hid();
     out.datasets.reserve(datasets.size());
     for (std::size_t i : order) {
       const Dataset& d = datasets[i];
-      create_tensor_dataset(file.get(), slabs ? slabs.get() : hid_t{-1}, dcpl.get(), d, out,
-                            {partial, d.key, "create the dataset"});
+      create_tensor_dataset(file.get(), slabs ? slabs.get() : hid_t{-1}, d, out, {partial, d.key, "create the dataset"});
     }
     if (slabs) slabs.close(w);
     hdf5::close_written(file, channel, "create the checkpoint");
@@ -463,9 +436,10 @@ void PieceWriter::write(const Dataset& d, const Box& box, TensorView src) {
       for (std::size_t r = 0; r < rows; ++r) {
         if (!copied && row_hash(p + r * row_n, row_n) != m.batch_hashes[r])
           throw Error(Errc::shard_changed,
-                      cat("key ", d.key, ": row ", r0 + static_cast<std::int64_t>(r), " (of rows [", box.rows.begin, ", ",
-                          box.rows.end, ")) changed while the save wrote it into ", m.file.path().string(),
-                          ": another thread wrote the tensor during the save; nothing is committed"));
+                      cat("key ", d.key, ": row ", r0 + static_cast<std::int64_t>(r), " (of rows [",
+                          box.rows.begin, ", ", box.rows.end, ")) changed while the save wrote it into ",
+                          m.file.path().string(), ": another thread wrote the tensor during the save; nothing is "
+                          "committed"));
         m.hashes.push_back(m.batch_hashes[r]);
         if (m.hashes.size() == Impl::hash_batch) m.flush_hashes();
       }

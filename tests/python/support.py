@@ -168,3 +168,30 @@ def record_library_tensors(case):
     patch.start()
     case.addCleanup(patch.stop)
     return given
+
+
+def copy_back_case(device):
+    """(saved, targets) of the copy-back tests: a state, and targets for it on `device` that a load fills
+    in place (contiguous ones of the stored dtype: a matrix, bool through its uint8 view, a 0-d
+    tensor) or through temporaries (a transposed matrix, a tensor of another dtype)."""
+    import torch
+    saved = {"w": torch.arange(12.0).reshape(3, 4), "t": torch.arange(12.0).reshape(4, 3) + 50,
+             "wide": torch.arange(5.0) - 2, "mask": torch.tensor([False, True, True]), "step": torch.tensor(9)}
+    target = {"w": torch.zeros(3, 4, device=device), "t": torch.zeros(3, 4, device=device).t(),
+              "wide": torch.zeros(5, dtype=torch.float64, device=device),
+              "mask": torch.zeros(3, dtype=torch.bool, device=device), "step": torch.tensor(0, device=device)}
+    return saved, target
+
+
+def check_copy_back(case, saved, target, given):
+    """A load of copy_back_case's `saved` into its `target`: every target holds what was saved, and the
+    library was handed (`given`: record_library_tensors) the contiguous targets themselves and
+    temporaries for the others."""
+    import torch
+    ptrs = {t.data_ptr() for t in given}
+    for k in ("w", "mask", "step"):  # contiguous in the stored dtype (bool: its uint8 view): in place
+        case.assertIn(target[k].data_ptr(), ptrs, k)
+    for k in ("t", "wide"):  # through a temporary of the stored dtype
+        case.assertNotIn(target[k].data_ptr(), ptrs, k)
+    for k, v in saved.items():
+        case.assertTrue(torch.equal(target[k].cpu(), v.to(target[k].dtype)), k)

@@ -10,7 +10,7 @@ import unittest
 import torch
 
 import shardckpt as sc
-from support import record_library_tensors
+from support import check_copy_back, copy_back_case, record_library_tensors
 
 
 @unittest.skipUnless(torch.cuda.is_available(), "torch has no CUDA device here")
@@ -49,23 +49,12 @@ class CudaTensors(unittest.TestCase):
         """The adapter's copy-back policy on a GPU: a contiguous CUDA target of the stored dtype (bool: its
         uint8 view) goes to the library itself, through its device path; any other through a temporary
         on the target's device. No tensor of the load is staged in host memory."""
-        saved = {"w": torch.arange(12.0).reshape(3, 4), "t": torch.arange(12.0).reshape(4, 3) + 50,
-                 "wide": torch.arange(5.0) - 2, "mask": torch.tensor([False, True, True]), "step": torch.tensor(9)}
+        saved, target = copy_back_case("cuda")
         sc.save_state_dict(saved, self.path)
-        target = {"w": torch.zeros(3, 4, device="cuda"), "t": torch.zeros(3, 4, device="cuda").t(),
-                  "wide": torch.zeros(5, dtype=torch.float64, device="cuda"),
-                  "mask": torch.zeros(3, dtype=torch.bool, device="cuda"), "step": torch.tensor(0, device="cuda")}
         given = record_library_tensors(self)
         sc.load_state_dict(target, self.path)
         self.assertEqual([t.device.type for t in given], ["cuda"] * len(saved))
-        ptrs = {t.data_ptr() for t in given}
-        for k in ("w", "mask", "step"):
-            self.assertIn(target[k].data_ptr(), ptrs, k)
-        for k in ("t", "wide"):
-            self.assertNotIn(target[k].data_ptr(), ptrs, k)
-        for k, v in saved.items():
-            self.assertTrue(torch.equal(target[k].cpu(), v.to(target[k].dtype)), k)
-
+        check_copy_back(self, saved, target, given)
 
 if __name__ == "__main__":
     unittest.main()
