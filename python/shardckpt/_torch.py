@@ -53,6 +53,7 @@ class TorchGroup:
         self._sorted = sorted(ranks)
         self._members = list(_members) if _members is not None else self._sorted
         self._rank = self._members.index(dist.get_rank())
+        self.INLINE = max(256, min(TorchGroup.INLINE, 32768 // len(self._members)))
         # Collective results come in the group's own rank order (ascending global rank).
         self._group_rank = [self._sorted.index(g) for g in self._members]
         self._nccl = dist.get_backend(pg) == "nccl"
@@ -88,11 +89,16 @@ class TorchGroup:
         return t.frombuffer(bytearray(data), dtype=t.uint8).to(self._device)
 
     # Metadata moves in slots of INLINE bytes: an 8-byte length, then the payload where it fits. The
-    # library's votes and outcomes (1 to 20 bytes) then take one round; a longer payload a second
-    # one, at the longest length. Gathering to the group's first rank and broadcasting from it is
-    # two steps, where an all_gather over gloo is a ring of size - 1 (13 ms against 3 ms for 8
-    # processes on 2 cores, docs/performance.md).
-    INLINE = 256
+    # library's votes and outcomes (1 to 20 bytes) then take one round, and so do a small model's
+    # save plans and planning verdict (2 to 5 KB for 24 tensors); a longer payload a second one, at
+    # the longest length. A slot is 8 KiB in groups of up to 4 members, smaller in larger groups so
+    # that an all_gather's slots stay within 32 KiB (256 bytes from 128 members on): on 4 gloo
+    # processes on 2 cores an all_gather and a broadcast of 1 byte took 1.6-1.8 ms with slots of
+    # 8 KiB and 1.7-1.9 ms with 256 bytes; of 2,500 bytes 1.6-1.9 ms against 3.1-3.3 ms (two rounds).
+    # Gathering to the group's first rank and broadcasting from it is two steps, where an all_gather
+    # over gloo is a ring of size - 1 (13 ms against 3 ms for 8 processes on 2 cores,
+    # docs/performance.md).
+    INLINE = 8192  # the largest slot; a group's own is self.INLINE
 
     def _slot(self, data, width):
         t = self._torch

@@ -262,20 +262,26 @@ void check_digests(const std::vector<std::span<const std::byte>>& payloads, cons
   }
 }
 
-// The last step: every rank has written and synced its pieces and closes the file; rank 0 checks the
-// digests, seals and commits, and tells every rank. A rank whose group fails after that learns what
-// it can: rank 0 knows the checkpoint is committed (Errc::committed_peer_failed), the others that
-// the outcome is unknown to them.
-void commit(ProcessGroup& group, SaveTarget& dest, const Digests& mine) {
-  const std::string_view phase = "committing the checkpoint";
+// The last step: every rank runs `write` (the raw path's write step, or nothing: the hyperslab path
+// wrote in turns before), closes the file and sends its outcome; once every rank has written and
+// synced its pieces, rank 0 says so (`committing`), checks the digests, seals and commits, and tells
+// every rank. A rank that failed to write fails every rank here, before rank 0 seals anything. A
+// rank whose group fails after that learns what it can: rank 0 knows the checkpoint is committed
+// (Errc::committed_peer_failed), the others that the outcome is unknown to them.
+void commit(ProcessGroup& group, SaveTarget& dest, const Digests& mine, const std::function<void()>& write,
+            const std::function<void()>& committing) {
+  const std::string_view phase = write ? "writing pieces and committing the checkpoint" : "committing the checkpoint";
   const std::vector<Bytes> gathered = Protocol::gather(group, outcome([&] {
+    if (write) write();
     if (dest.opened) dest.opened->close();
     return digests_payload(mine);
   }), 0);
   Bytes verdict;
   if (group.rank() == 0)
     verdict = outcome([&] {
-      check_digests(payloads_or_throw(phase, gathered), dest, mine.verdict);
+      const auto payloads = payloads_or_throw(phase, gathered);
+      committing();
+      check_digests(payloads, dest, mine.verdict);
       require(dest.checkpoint && dest.mine, Errc::internal, "rank 0 seals a checkpoint it did not write its pieces of");
       std::move(*dest.checkpoint).written(std::move(*dest.mine)).seal().commit();
       dest.committed = true;
@@ -297,8 +303,10 @@ void commit(ProcessGroup& group, SaveTarget& dest, const Digests& mine) {
 // Every rank writes its own pieces and their checksums: all at once on the raw path; on the
 // hyperslab path one rank at a time, since HDF5 must not have one file open for writing in two
 // processes. Each rank first opens the temporary file rank 0 created and checks that it is that file.
-void write_pieces(ProcessGroup& group, const SavePlan& plan, const Created& created, SaveTarget& dest,
-                  const SaveOptions& options, const RowsStaged& staged) {
+// The raw path's step is returned, for the commit's first exchange to run (commit): one round less,
+// which a small save feels. The hyperslab path writes here, a round per rank, and returns nothing.
+std::function<void()> write_pieces(ProcessGroup& group, const SavePlan& plan, const Created& created,
+                                   SaveTarget& dest, const SaveOptions& options, const RowsStaged& staged) {
   const auto open = [&] {
     if (!dest.checkpoint) dest.opened.emplace(io::TemporaryFile::open_created(dest.dir, dest.name, dest.identity));
   };
@@ -316,17 +324,18 @@ void write_pieces(ProcessGroup& group, const SavePlan& plan, const Created& crea
   };
   // The raw path: each rank opens the file and writes its pieces in one step (a rank that cannot open
   // it fails the step like one that cannot write; rank 0's pieces written meanwhile go with the
-  // temporary file). Each step is a round of the group, which a small save feels.
+  // temporary file).
   if (options.method == IoMethod::raw)
-    return agree(group, "opening the temporary file and writing pieces", [&] {
+    return [open, write_mine] {
       open();
       write_mine();
-    });
+    };
   agree(group, "opening the temporary file", open);
   for (int turn = 0; turn < group.size(); ++turn)
     agree(group, "writing pieces", [&] {
       if (turn == group.rank()) write_mine();
     });
+  return {};
 }
 
 }  // namespace
@@ -365,10 +374,9 @@ void save_with(const std::function<SavePlan()>& make_plan, const fs::path& path,
     const Created created = read_verdict(verdict, plan, me, group.size(), dest);
     // 2. Every rank writes and syncs its pieces.
     phase(SavePhase::writing);
-    write_pieces(group, plan, created, dest, options, staged);
+    const std::function<void()> write = write_pieces(group, plan, created, dest, options, staged);
     // 3. Only when every rank has written and synced its pieces does rank 0 seal and commit.
-    phase(SavePhase::committing);
-    commit(group, dest, digests);
+    commit(group, dest, digests, write, [&] { phase(SavePhase::committing); });
     phase(SavePhase::committed);
   } catch (Error& e) {
     // Unless rank 0 committed it, the temporary file it created goes (after a commit, nothing does).

@@ -43,8 +43,9 @@ def state_at(tp, gtp, align, rank, fill=True):
 def check_collectives(group, rank):
     """all_gather_bytes and broadcast_bytes of empty, inline, boundary and long payloads, in the
     group's member order, also in a split group whose members are ranked in reverse."""
-    inline = sc.TorchGroup.INLINE - 8
-    for sizes in ([0] * 4, [1, 0, 3, 17], [inline, inline - 1, 0, 2], [inline + 1, 1, 0, 5000], [9000] * 4):
+    inline = group.INLINE - 8
+    assert group.INLINE == 8192, group.INLINE  # 4 members: the largest slot
+    for sizes in ([0] * 4, [1, 0, 3, 17], [inline, inline - 1, 0, 2], [inline + 1, 1, 0, 5000], [inline + 800] * 4):
         for g, members in ((group, [0, 1, 2, 3]), (group.split(0, -rank), [3, 2, 1, 0])):
             payload = lambda r: bytes((r * 7 + i) % 251 for i in range(sizes[r]))  # noqa: E731
             got = g.all_gather_bytes(payload(rank))
