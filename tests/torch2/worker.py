@@ -385,8 +385,8 @@ def case_bad_input(d, mesh1, mesh2):
             raise AssertionError(f"{what}: a refusal took {counting.calls} collectives, not {calls}")
     counting = Counting()
     sc.save_state_dict({"w": torch.ones(4, 2)}, bad, group=counting)
-    if counting.calls != 6:
-        raise AssertionError(f"save_state_dict took {counting.calls} collectives, not the library's 6")
+    if counting.calls != 4:  # the plan's gather and broadcast, the commit's (the pieces written in its gather)
+        raise AssertionError(f"save_state_dict took {counting.calls} collectives, not the library's 4")
     counting = Counting()
     sc.load_state_dict({"w": torch.ones(4, 2)}, bad, group=counting)
     if counting.calls != 8:
