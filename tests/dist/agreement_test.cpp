@@ -101,7 +101,8 @@ TEST(Checksums, ARankWhoseWriteFailsFailsEveryRankAndCommitsNothing) {
             save_rows(g, b);
         },
         &messages);
-    if (std::none_of(codes.begin(), codes.end(), [](const auto& c) { return c.has_value(); })) continue;  // no change caught
+    // Every rank committed: no row changed under rank 2's write this time.
+    if (std::none_of(codes.begin(), codes.end(), [](const auto& c) { return c.has_value(); })) continue;
     for (const auto& code : codes) EXPECT_EQ(code, Errc::shard_changed) << "round " << round;
     ASSERT_EQ(messages.size(), static_cast<std::size_t>(ranks));
     for (const std::string& m : messages) {

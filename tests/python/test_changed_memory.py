@@ -140,8 +140,8 @@ class ChangedMemory(unittest.TestCase):
             try:
                 # Whether the mutator runs while the rows are written is the scheduler's say: the
                 # saves go on until one has seen a change (at least 8, at most 30).
-                for round in range(30):
-                    if round >= 8 and failed:
+                for attempt in range(30):
+                    if attempt >= 8 and failed:
                         break
                     before = os.stat(path).st_ino
                     try:
@@ -157,7 +157,8 @@ class ChangedMemory(unittest.TestCase):
             finally:
                 stop.set()
                 mutator.join()
-            assert not [n for n in os.listdir(os.path.dirname(path)) if n.endswith(".partial")], "a temporary file stayed"
+            left = [n for n in os.listdir(os.path.dirname(path)) if n.endswith(".partial")]
+            assert not left, f"a temporary file stayed: {left}"
             print("failed", failed, "committed", committed, flush=True)
             assert failed > 0, "no save saw the tensor change under it"
         """)
