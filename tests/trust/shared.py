@@ -6,6 +6,7 @@ import signal
 import stat
 import subprocess
 import tempfile
+import time
 
 from tally import check
 from trust.support import A, CFG, SMALL, Result, exe, expect, plain_in, remove_any, run, temporaries, tool
@@ -98,23 +99,47 @@ class Scene:
               f"{what}: temporary files left: {temporaries(self.shared, 'ckpt.h5')}")
 
 
+def stopped(pid):
+    """Waits (up to 10 s) until process `pid` is stopped (state T in /proc/PID/stat)."""
+    for _ in range(10000):
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return True
+        time.sleep(0.001)
+    return False
+
+
 def stopped_save(shared, ckpt):
-    """The temporary file of a save stopped (SIGSTOP) as its writing phase begins: (names, mode, uid,
-    regular), or None when no try saw one."""
+    """The temporary file of a save stopped (SIGSTOP) in its writing phase: (names, mode, uid,
+    regular), or None when no try saw one. A try counts only if the save had not yet said
+    `committing` when it stopped: the commit gives the file its final mode before the rename, and on a
+    loaded machine the save may get that far between saying `writing` and the stop."""
     seen = None
-    for attempt in range(4):
+    for attempt in range(8):
         p = subprocess.Popen([exe, "demo", "--out", ckpt, "--phases", "--quiet", "--cols", "1024"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        fd, said, writing = p.stderr.fileno(), b"", b"shardckpt: save phase: writing\n"
         try:
-            for line in p.stderr:
-                if line.strip() == "shardckpt: save phase: writing":
-                    p.send_signal(signal.SIGSTOP)
+            while writing not in said:
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    break
+                said += chunk
+            if writing in said:
+                p.send_signal(signal.SIGSTOP)
+                if stopped(p.pid):
                     temps = temporaries(shared, "ckpt.h5")
-                    if temps:
+                    # What it said before it stopped is in the pipe: one read takes all of it.
+                    os.set_blocking(fd, False)
+                    try:
+                        said += os.read(fd, 1 << 16) or b""
+                    except BlockingIOError:
+                        pass
+                    os.set_blocking(fd, True)
+                    if temps and b"save phase: committing" not in said:
                         st = os.lstat(os.path.join(shared, temps[0]))
                         seen = (temps, stat.S_IMODE(st.st_mode), st.st_uid, stat.S_ISREG(st.st_mode))
-                    p.send_signal(signal.SIGCONT)
-                    break
+                p.send_signal(signal.SIGCONT)
             p.stderr.read()
         finally:
             if p.poll() is None:
