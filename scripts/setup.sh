@@ -49,15 +49,23 @@ fi
 
 configure() {  # dir, extra meson options...
   local dir=$1; shift
-  [ -f "$dir/build.ninja" ] && return 0
-  meson setup "$dir" --native-file scripts/clang.ini --buildtype=debugoptimized "$@" >/dev/null
+  if [ -f "$dir/build.ninja" ]; then
+    # Options this script gives the directory that it did not have when made: set them there.
+    [ "$(cat "$dir/.setup-options" 2>/dev/null)" = "$*" ] && return 0
+    [ $# -eq 0 ] || meson configure "$dir" "$@" >/dev/null
+  else
+    meson setup "$dir" --native-file scripts/clang.ini --buildtype=debugoptimized "$@" >/dev/null
+  fi
+  echo "$*" > "$dir/.setup-options"
 }
 configure build
 # Hugging Face's safetensors (PyPI) in a virtual environment for tests/safetensors_test.py, which is
 # skipped without it (no network, say).
 scripts/safetensors-venv.sh .venv-safetensors || echo "setup: tests/safetensors_test.py will be skipped"
 if $asan; then
-  configure build-asan -Db_sanitize=address,undefined -Db_lundef=false -Dfuzz=true
+  # The library, the tool and the unit suites under the sanitizers; the bench is a program of its
+  # own, which the plain build runs (tests/bench_smoke.py).
+  configure build-asan -Db_sanitize=address,undefined -Db_lundef=false -Dfuzz=true -Dbench=disabled
 fi
 
 venv=build/peers-venv
