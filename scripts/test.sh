@@ -21,13 +21,7 @@ cat "$work/setup-torch2.log"
 # pip install . as users do, into a fresh venv and into build/peers-venv, whose torch 2.x tests
 # (tests/torch2, in the meson tests) then run the installed package.
 scripts/pip-check.sh 2>&1 | tee -a "$log" || status=1
-# The sanitized build compiles at the lowest priority while the plain build's tests run: it takes
-# only the CPU they leave idle (their processes wait on one another and on the disk).
-nice -n 19 meson compile -C build-asan > "$work/build-asan.log" 2>&1 &
-asan_build=$!
 meson test -C build --print-errorlogs 2>&1 | tee -a "$log" || status=1
-wait $asan_build
-tail -1 "$work/build-asan.log"
 meson compile -C build-asan || exit 1
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
   meson test -C build-asan --print-errorlogs --no-suite mpi 2>&1 | tee -a "$log" || status=1

@@ -75,7 +75,14 @@ class KilledRank(unittest.TestCase):
             w = got["w"]
             self.assertIn(float(w[0, 0]), (1.0, 2.0))
             self.assertTrue(bool((w == w[0, 0]).all()), "a mix of two saves")
-            self.assertEqual([n for n in os.listdir(path) if n.endswith(".partial")], [])
+            # Ranks 0-2 leave by os._exit once Megatron's finalization fails, which its own all_reduce
+            # may learn before the library's save in flight does (that save waits out the group's 60 s
+            # timeout): rank 0's temporary file may then stay, as after any process killed mid-save.
+            # Nothing else may: at most that one file, under its unpredictable hidden name.
+            left = [n for n in os.listdir(path) if n.endswith(".partial")]
+            self.assertLessEqual(len(left), 1, left)
+            for n in left:
+                self.assertRegex(n, r"^\.shardckpt\.h5\.[0-9a-f]{32}\.partial$")
 
 
 class Examples(unittest.TestCase):
